@@ -12,7 +12,10 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # tests are CPU-only, also on
 
 import pytest  # noqa: E402
 
-NUM_CPU_REPLICAS = 4
+import tfdp  # noqa: E402
+
+tfdp.configure_cpu_replicas(4)  # before any test can start the TF runtime
+
 
 
 def pytest_configure(config):
@@ -22,8 +25,6 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def cpu_devices():
-    """The test process's logical CPU devices (4 of them), configured before TF starts."""
-    import tfdp
-    tfdp.configure_cpu_replicas(NUM_CPU_REPLICAS)
+    """The test process's logical CPU devices (4 of them, configured at import)."""
     import tensorflow as tf
     return [d.name for d in tf.config.list_logical_devices("CPU")]

@@ -1,0 +1,18 @@
+"""tfdp: fast, correct data-parallel training for TensorFlow / Keras 3.
+
+Public surface: ``DataParallelStrategy``, ``configure_cpu_replicas`` and ``__version__``.
+TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_cpu_replicas(n)``
+works before the TF runtime starts.
+"""
+
+from tfdp._version import __version__
+from tfdp.devices import configure_cpu_replicas
+
+__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "__version__"]
+
+
+def __getattr__(name):
+    if name == "DataParallelStrategy":
+        from tfdp.strategy import DataParallelStrategy
+        return DataParallelStrategy
+    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

@@ -1,0 +1,270 @@
+"""DataParallelStrategy: a tf.distribute.Strategy with mirrored variables and tfdp's reduction.
+
+Used exactly like ``tf.distribute.MirroredStrategy``::
+
+    strategy = tfdp.DataParallelStrategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(...)
+    model.fit(dataset)
+
+On top of MirroredStrategy's variable mirroring and input pipeline it changes three things:
+
+1. Reduction is tfdp's own (``tfdp.reduce``): fused buckets, NCCL/ring/tree, compression.
+2. Uneven batches are exact. Keras scales each replica's mean loss by 1/num_replicas whatever the
+   replica's share of the batch, so a global batch of 50 over 4 replicas (13,13,12,12) does not
+   give the global-batch mean. During a Keras ``train_step`` tfdp weights replica r's gradients
+   by ``n_r * N / sum(n)`` inside the gradient all-reduce, which makes the step exactly the
+   global-batch mean (weights are exactly 1.0 for even splits).
+3. Mirrored means mirrored. Floating non-trainable variables with aggregation NONE (BatchNorm
+   moving statistics) are created with aggregation MEAN, so replica updates are averaged and the
+   copies never drift apart (MirroredStrategy lets them drift).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import tensorflow as tf
+
+from tfdp import _tf_private as tfp
+from tfdp import devices as devices_lib
+from tfdp.errors import TfdpError, invalid_argument
+from tfdp.reduce import registry
+from tfdp.reduce.local import DataParallelReduce
+
+log = logging.getLogger("tfdp")
+_logged_choices: set = set()
+_log_lock = threading.Lock()
+
+
+class DataParallelStrategy(tf.distribute.MirroredStrategy):
+    """Synchronous data parallelism over local devices with tfdp's all-reduce.
+
+    Args:
+      devices: device names (``["GPU:0", "GPU:1"]``, ``["CPU:0", "CPU:1"]``); None means all
+        local GPUs, else the logical CPU replicas (``tfdp.configure_cpu_replicas(n)`` or
+        ``TFDP_CPU_REPLICAS=n``), else ``CPU:0``.
+      all_reduce: "auto" | "fused" | "ring" | "one_device" | "nccl". "auto" picks NCCL when every
+        device is a physical GPU and TF's NCCL kernel is registered, else "fused", and logs the
+        choice once. An explicit choice that cannot run here raises, never falls back.
+      bucket_bytes: fused-bucket capacity in bytes (0 disables fusion; None: measured default).
+      compression: None | "fp16" | "bf16": gradients travel in that dtype.
+      cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
+        cluster (TF_CONFIG / SLURM are read when it is None).
+    """
+
+    def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
+                 compression: str | None = None, cluster_resolver=None):
+        algorithm = registry.validate_algorithm(all_reduce)
+        compression = registry.validate_compression(compression)
+        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
+        self._cluster = _resolve_cluster(cluster_resolver)
+        devs = devices_lib.resolve_devices(devices)
+        choice = registry.choose(
+            algorithm, devs, physical_gpus=len(tf.config.list_physical_devices("GPU")),
+            nccl_kernel=tfp.nccl_kernel_registered())
+        self._requested_all_reduce = algorithm
+        self._choice = choice
+        self._reduce = DataParallelReduce(choice.algorithm, bucket_bytes, compression)
+        _log_choice_once(algorithm, choice, devs, self._reduce)
+        extended = _DataParallelExtended(self, devices=devs, cross_device_ops=self._reduce)
+        tf.distribute.Strategy.__init__(self, extended)  # MirroredStrategy.__init__ minus its extended
+
+    # --- tfdp's additions ---------------------------------------------------------------------
+
+    @property
+    def all_reduce(self) -> str:
+        """The algorithm in use ("fused", "ring", "one_device" or "nccl")."""
+        return self._choice.algorithm
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self._reduce.bucket_bytes
+
+    @property
+    def compression(self):
+        return self._reduce.compression
+
+    @property
+    def cross_device_ops(self) -> DataParallelReduce:
+        return self._reduce
+
+    @property
+    def cluster(self):
+        """The resolved cluster (a ``tfdp.cluster.ClusterInfo``; single worker for now)."""
+        return self._cluster
+
+    def reduce(self, reduce_op, value, axis):
+        """``tf.distribute.Strategy.reduce``, also for nested structures and uneven batches.
+
+        Nested lists/tuples/dicts are reduced leaf by leaf; ``axis=0`` on a scalar means
+        ``axis=None``. Eagerly reducing (``axis=None``) per-replica tensors whose leading
+        dimensions differ (the uneven last batch, as Keras's symbolic build does) is undefined in
+        TF; tfdp returns their concatenation along axis 0, i.e. the global batch.
+        """
+        if not tfp.is_distributed_values(value) and isinstance(value, (list, tuple, dict)):
+            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+        if tfp.is_distributed_values(value):
+            comps = self.experimental_local_results(value)
+            if axis is not None and all(isinstance(c, tf.Tensor) and c.shape.rank == 0
+                                        for c in comps):
+                axis = None
+            if (axis is None and tf.executing_eagerly() and len(comps) > 1
+                    and all(isinstance(c, tf.Tensor) and c.shape.rank for c in comps)
+                    and len({tuple(c.shape) for c in comps}) > 1
+                    and len({tuple(c.shape[1:]) for c in comps}) == 1):
+                return tf.concat([tf.identity(c) for c in comps], axis=0)
+        return super().reduce(reduce_op, value, axis)
+
+    def __repr__(self):
+        devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
+        return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+
+
+def _log_choice_once(requested, choice, devs, reduce):
+    key = (requested, choice.algorithm, tuple(devs))
+    with _log_lock:
+        if key in _logged_choices:
+            return
+        _logged_choices.add(key)
+    log.info("tfdp: %d replica(s) %s; all_reduce=%r -> %r (%s); bucket_bytes=%d; compression=%s",
+             len(devs), [devices_lib.short_name(d) for d in devs], requested, choice.algorithm,
+             choice.reason, reduce.bucket_bytes, reduce.compression)
+
+
+def _resolve_cluster(cluster_resolver):
+    if cluster_resolver is not None and not isinstance(
+            cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
+        raise invalid_argument(
+            "cluster_resolver", cluster_resolver,
+            fix="Pass a tf.distribute.cluster_resolver.ClusterResolver (e.g. "
+                "TFConfigClusterResolver or SlurmClusterResolver), or None to read TF_CONFIG / "
+                "SLURM from the environment.")
+    try:
+        from tfdp.cluster import resolve_cluster
+    except ImportError:  # pragma: no cover - cluster module not installed
+        return None
+    info = resolve_cluster(cluster_resolver)
+    if info.num_workers > 1:
+        raise TfdpError(
+            f"Multi-worker training is not available in this tfdp version yet. Received: a "
+            f"cluster of {info.num_workers} workers from {info.source}. Run one worker per job "
+            "(unset TF_CONFIG) until multi-worker support lands.")
+    return info
+
+
+# --- the extended: variable creation, uneven-batch weights --------------------------------------
+
+class _GradientContext:
+    """Set while a Keras train step runs: the model and each replica's gradient weight."""
+
+    def __init__(self, model, weights):
+        self.model = model
+        self.weights = weights
+        self.used = False
+
+
+def _keras_train_step_model(fn):
+    """The Keras model whose ``train_step`` ``fn`` is (through wrappers), else None."""
+    import keras
+    f, depth = fn, 0
+    while f is not None and depth < 16:
+        owner = getattr(f, "__self__", None)
+        if getattr(f, "__name__", None) == "train_step" and isinstance(owner, keras.Model):
+            return owner
+        f = getattr(f, "__wrapped__", None)
+        depth += 1
+    return None
+
+
+def _is_subsequence(short, long) -> bool:
+    it = iter(long)
+    return all(any(s == x for x in it) for s in short)
+
+
+class _DataParallelExtended(tfp.MirroredExtended):
+
+    def __init__(self, container_strategy, devices, cross_device_ops):
+        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+        self._tfdp_reduce = cross_device_ops
+        self._grad_ctx = None
+
+    def _create_variable(self, next_creator, **kwargs):
+        agg = kwargs.get("aggregation")
+        trainable = kwargs.get("trainable")
+        dtype = kwargs.get("dtype")
+        if dtype is None:
+            init = kwargs.get("initial_value")
+            dtype = getattr(init, "dtype", None)
+        if (agg in (None, tf.VariableAggregation.NONE) and trainable is False
+                and dtype is not None and tf.as_dtype(dtype).is_floating):
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        model = _keras_train_step_model(fn) if len(self.worker_devices) > 1 else None
+        weights = self._replica_weights(args) if model is not None else None
+        if weights is None:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        previous, self._grad_ctx = self._grad_ctx, _GradientContext(model, weights)
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._grad_ctx = previous
+
+    def _replica_weights(self, args):
+        """w_r = n_r * N / sum(n): replica r's share of the global batch, times N."""
+        n = len(self.worker_devices)
+        for leaf in tf.nest.flatten(args):
+            if not tfp.is_distributed_values(leaf):
+                continue
+            comps = list(leaf.values)
+            if len(comps) != n or not all(isinstance(c, tf.Tensor) and c.shape.rank
+                                          for c in comps):
+                continue
+            sizes = [tf.cast(tf.shape(c)[0], tf.float32) for c in comps]
+            total = tf.math.add_n(sizes)
+            scale = tf.math.divide_no_nan(tf.constant(float(n)), total)
+            return [s * scale for s in sizes]
+        return None
+
+    def _fill_destinations(self, value, destinations):
+        # A one-device replica-context all_reduce passes a tensor whose device string is empty:
+        # MirroredStrategy then fails with "destinations can not be empty". Use the value's
+        # devices (or the single replica device) instead.
+        if tfp.has_destinations(destinations):
+            return destinations
+        if tfp.is_distributed_values(value):
+            return value
+        if len(self.worker_devices) == 1:
+            return self.worker_devices[0]
+        return destinations
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return super()._reduce_to(reduce_op, value, self._fill_destinations(value, destinations),
+                                  options)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        value_destination_pairs = [(v, self._fill_destinations(v, d))
+                                   for v, d in value_destination_pairs]
+        ctx = self._grad_ctx
+        if ctx is not None and not ctx.used and _op_is_sum(reduce_op):
+            pairs = list(value_destination_pairs)
+            shapes = [tuple(v.values[0].shape) if tfp.is_distributed_values(v) else None
+                      for v, _ in pairs]
+            var_shapes = [tuple(v.shape) for v in ctx.model.trainable_variables]
+            if (None not in shapes and _is_subsequence(shapes, var_shapes)
+                    and (len(shapes) > 1 or len(var_shapes) == 1)):
+                ctx.used = True
+                return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, ctx.weights)
+            value_destination_pairs = pairs
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+
+def _op_is_sum(reduce_op) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.upper() == "SUM"
+    return reduce_op == tf.distribute.ReduceOp.SUM
