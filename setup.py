@@ -43,6 +43,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn"],
         "data": ["tensorflow-datasets"],
+        "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["tfdp=tfdp.cli:main"]},

@@ -17,8 +17,9 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes th
    by ``n_r * N / sum(n)`` inside the gradient all-reduce, which makes the step exactly the
    global-batch mean (weights are exactly 1.0 for even splits).
 3. Mirrored means mirrored. Floating non-trainable variables with aggregation NONE (BatchNorm
-   moving statistics) are created with aggregation MEAN, so replica updates are averaged and the
-   copies never drift apart (MirroredStrategy lets them drift).
+   moving statistics) are averaged across replicas (weighted by batch share) at the end of every
+   Keras train step, so the copies never drift apart (MirroredStrategy lets them drift). In a
+   custom loop with BatchNormalization, use ``SyncBatchNorm``-style layers or average them yourself.
 """
 
 from __future__ import annotations
@@ -192,18 +193,6 @@ class _DataParallelExtended(tfp.MirroredExtended):
         self._tfdp_reduce = cross_device_ops
         self._grad_ctx = None
 
-    def _create_variable(self, next_creator, **kwargs):
-        agg = kwargs.get("aggregation")
-        trainable = kwargs.get("trainable")
-        dtype = kwargs.get("dtype")
-        if dtype is None:
-            init = kwargs.get("initial_value")
-            dtype = getattr(init, "dtype", None)
-        if (agg in (None, tf.VariableAggregation.NONE) and trainable is False
-                and dtype is not None and tf.as_dtype(dtype).is_floating):
-            kwargs["aggregation"] = tf.VariableAggregation.MEAN
-        return super()._create_variable(next_creator, **kwargs)
-
     def _call_for_each_replica(self, fn, args, kwargs):
         model = _keras_train_step_model(fn) if len(self.worker_devices) > 1 else None
         weights = self._replica_weights(args) if model is not None else None
@@ -211,9 +200,41 @@ class _DataParallelExtended(tfp.MirroredExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         previous, self._grad_ctx = self._grad_ctx, _GradientContext(model, weights)
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            result = super()._call_for_each_replica(fn, args, kwargs)
         finally:
             self._grad_ctx = previous
+        self._sync_replica_local_state(model, weights)
+        return result
+
+    def _sync_replica_local_state(self, model, weights):
+        """Average float non-trainable variables with aggregation NONE across replicas.
+
+        Such variables (BatchNorm moving statistics) are updated by each replica with its own
+        batch statistics, so MirroredStrategy lets their copies drift apart. After each train step
+        tfdp replaces every copy by the batch-share-weighted mean of the copies (for a moving mean
+        that is exactly the update with the global batch mean). Ordered after the step's updates
+        by TF's automatic control dependencies on the same resources.
+        """
+        targets = []
+        for v in model.non_trainable_variables:
+            tv = getattr(v, "value", v)
+            if (tfp.is_distributed_values(tv) and tv.dtype.is_floating
+                    and tv.aggregation == tf.VariableAggregation.NONE):
+                targets.append(tv)
+        if not targets:
+            return
+        pairs = []
+        for tv in targets:
+            comps = []
+            for c in tv.values:
+                with tf.device(c.device):
+                    comps.append(c.read_value())
+            pairs.append((tfp.PerReplica(tuple(comps)), tv))
+        means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
+        for tv, mean in zip(targets, means):
+            for c, m in zip(tv.values, self._local_results(mean)):
+                with tf.device(c.device):
+                    c.assign(m)
 
     def _replica_weights(self, args):
         """w_r = n_r * N / sum(n): replica r's share of the global batch, times N."""

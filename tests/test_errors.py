@@ -1,0 +1,129 @@
+"""Bad input raises ValueError naming the received value and the valid choices / fix."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+import tfdp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("kwargs,needles", [
+    ({"all_reduce": "rnig"}, ["all_reduce='rnig'", "'auto'", "'ring'", "'nccl'"]),
+    ({"all_reduce": 3}, ["all_reduce=3", "'fused'"]),
+    ({"compression": "int8"}, ["compression='int8'", "'fp16'", "'bf16'"]),
+    ({"bucket_bytes": -1}, ["bucket_bytes=-1", "non-negative"]),
+    ({"bucket_bytes": 1.5}, ["bucket_bytes=1.5"]),
+    ({"all_reduce": "nccl"}, ["all_reduce='nccl'", "not every device is a GPU", "'auto'"]),
+    ({"devices": ["GPU:0"]}, ["'GPU:0'", "does not exist", "'CPU:0'"]),
+    ({"devices": ["CPU:9"]}, ["'CPU:9'", "does not exist", "TFDP_CPU_REPLICAS"]),
+    ({"devices": ["CPU:0", "/cpu:0"]}, ["listed twice"]),
+    ({"devices": []}, ["devices=[]", "at least one device"]),
+    ({"devices": "CPU:0"}, ["devices='CPU:0'", "list of device names"]),
+    ({"devices": ["nonsense!"]}, ["'nonsense!'", "does not exist"]),
+    ({"cluster_resolver": "localhost:1234"}, ["cluster_resolver='localhost:1234'",
+                                              "ClusterResolver"]),
+])
+def test_strategy_bad_arguments(kwargs, needles):
+    with pytest.raises(ValueError) as e:
+        tfdp.DataParallelStrategy(**kwargs)
+    msg = str(e.value)
+    assert "Received:" in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+@pytest.mark.parametrize("n", [0, -2, 1.5, "4", True])
+def test_configure_cpu_replicas_bad_count(n):
+    with pytest.raises(ValueError, match="positive int") as e:
+        tfdp.configure_cpu_replicas(n)
+    assert f"n={n!r}" in str(e.value)
+
+
+def test_configure_cpu_replicas_same_count_is_noop(cpu_devices):
+    assert len(tfdp.configure_cpu_replicas(4)) == len(cpu_devices) == 4
+
+
+def _run(code, env_extra=None, timeout=120):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env.pop("TFDP_CPU_REPLICAS", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_configure_cpu_replicas_too_late_says_so():
+    r = _run("""
+        import tensorflow as tf, tfdp
+        tf.constant(1.0) + 1  # starts the runtime with one CPU device
+        try:
+            tfdp.configure_cpu_replicas(3)
+        except ValueError as e:
+            print("ERR", e)
+    """)
+    assert "ERR configure_cpu_replicas(3) came too late" in r.stdout, r.stdout + r.stderr
+    assert "before any TensorFlow op" in r.stdout
+
+
+def test_env_var_gives_replicas_to_unchanged_script():
+    r = _run("""
+        import tfdp
+        s = tfdp.DataParallelStrategy()
+        print("REPLICAS", s.num_replicas_in_sync, s.all_reduce)
+    """, {"TFDP_CPU_REPLICAS": "3"})
+    assert "REPLICAS 3 fused" in r.stdout, r.stdout + r.stderr
+
+
+def test_bad_env_var_is_clear():
+    r = _run("""
+        import tfdp
+        try:
+            tfdp.DataParallelStrategy()
+        except ValueError as e:
+            print("ERR", e)
+    """, {"TFDP_CPU_REPLICAS": "four"})
+    assert "TFDP_CPU_REPLICAS='four'" in r.stdout and "positive integer" in r.stdout, r.stdout
+
+
+def test_default_devices_without_configuration_is_cpu0():
+    r = _run("""
+        import tfdp
+        s = tfdp.DataParallelStrategy()
+        print("REPLICAS", s.num_replicas_in_sync, s.extended.worker_devices)
+    """)
+    assert "REPLICAS 1" in r.stdout and "CPU:0" in r.stdout, r.stdout + r.stderr
+
+
+def test_multi_worker_tf_config_is_not_silently_single_worker():
+    r = _run("""
+        import tfdp
+        try:
+            tfdp.DataParallelStrategy()
+        except ValueError as e:
+            print("ERR", e)
+    """, {"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+                       '"task": {"type": "worker", "index": 0}}'})
+    assert "ERR" in r.stdout and "2 workers" in r.stdout, r.stdout + r.stderr
+
+
+def test_cli_help_and_unknown_command():
+    r = subprocess.run([sys.executable, "-m", "tfdp", "--help"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and "launch" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tfdp", "trian"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "Received: 'trian'" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_repr_and_properties():
+    s = tfdp.DataParallelStrategy(["CPU:0", "CPU:1"], all_reduce="ring", bucket_bytes=1024,
+                                  compression="bf16")
+    assert s.all_reduce == "ring" and s.bucket_bytes == 1024 and s.compression == "bf16"
+    assert "CPU:0" in repr(s) and "ring" in repr(s)
+    assert isinstance(s, tf.distribute.Strategy) and s.num_replicas_in_sync == 2

@@ -1,0 +1,398 @@
+"""``tfdp bench allreduce``: one replica-context all-reduce, tfdp vs MirroredStrategy.
+
+Each contender is a strategy over the same K logical CPU devices and one ``tf.function``::
+
+    strategy.run(lambda *g: tf.distribute.get_replica_context().all_reduce("SUM", list(g)),
+                 args=per_replica_grads)
+
+where ``per_replica_grads`` are random float32 tensors created once on each replica's device (the
+same tensors for every contender). Contenders: ``DataParallelStrategy`` for each requested
+algorithm and bucket size; ``MirroredStrategy`` with its default cross-device ops (on CPUs TF 2.21
+picks ``CollectiveAllReduce`` with RING collectives) and with ``ReductionToOneDevice``; and a
+numpy reference, the K-way ``np.add`` of the same arrays into a preallocated output (one thread,
+no broadcast: a memory-bound floor, not an all-reduce).
+
+Bandwidths follow nccl-tests: ``algbw = bytes / time`` with ``bytes`` one replica's gradients,
+``busbw = algbw * 2 (K-1) / K``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+
+from tfdp.bench import _common
+from tfdp.errors import TfdpError
+
+MODELS = ("resnet50", "mlp", "sizes")
+BENCH_ALGORITHMS = ("fused", "ring", "one_device")  # nccl needs GPUs; this bench uses CPU replicas
+DEFAULT_ALGORITHMS = BENCH_ALGORITHMS
+DEFAULT_SIZES = ("1K", "16K", "256K", "4M", "64M")
+DEFAULT_REPEATS = 15
+# Each timed sample repeats a contender's step until it lasts about this long (at most MAX_ITERS
+# times), so that microsecond-scale steps are not lost in timer and Python noise.
+TARGET_SAMPLE_S = 0.02
+MAX_ITERS = 50
+
+
+# --- workloads -----------------------------------------------------------------------------------
+
+def resnet50_shapes() -> list[tuple]:
+    """The trainable-variable shapes of ``keras.applications.ResNet50(weights=None)``, in order.
+
+    214 tensors, 25,583,592 float32 (Keras 3 convolutions have biases; the 161 of other
+    frameworks' ResNet50 have none). Computed instead of building the model (seconds); a test
+    checks it against Keras.
+    """
+    s = [(7, 7, 3, 64), (64,), (64,), (64,)]  # conv1 kernel, bias; bn gamma, beta
+    cin = 64
+    for f, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        out = 4 * f
+        for b in range(blocks):
+            s += [(1, 1, cin, f), (f,), (f,), (f,), (3, 3, f, f), (f,), (f,), (f,)]
+            if b == 0:  # shortcut conv (0) and conv 3, then bn 0 and bn 3
+                s += [(1, 1, cin, out), (out,), (1, 1, f, out), (out,)] + [(out,)] * 4
+            else:
+                s += [(1, 1, f, out), (out,), (out,), (out,)]
+            cin = out
+    return s + [(2048, 1000), (1000,)]
+
+
+def mlp_shapes(layers: int = 60, width: int = 64) -> list[tuple]:
+    """Gradients of ``layers`` Dense(width) layers on width-wide inputs: kernel and bias each."""
+    return [(width, width), (width,)] * layers
+
+
+def workloads_for(model: str, sizes=None) -> list[dict]:
+    """[{"name", "shapes"}]: one workload, or one per size (bytes, rounded down to float32s)."""
+    if model == "resnet50":
+        return [{"name": "resnet50", "shapes": resnet50_shapes()}]
+    if model == "mlp":
+        return [{"name": "mlp", "shapes": mlp_shapes()}]
+    if model == "sizes":
+        sizes = [_common.parse_size(s) if isinstance(s, str) else int(s)
+                 for s in (sizes or DEFAULT_SIZES)]
+        return [{"name": _common.fmt_bytes(n), "shapes": [(max(1, n // 4),)], "size_arg": n}
+                for n in sizes]
+    raise TfdpError(f"Invalid model. Received: model={model!r}. Valid: {', '.join(MODELS)}.")
+
+
+def _num_elements(shape) -> int:
+    return int(math.prod(shape))
+
+
+# --- contenders ----------------------------------------------------------------------------------
+
+class _Contender:
+    def __init__(self, name, kind, strategy=None, **info):
+        self.name = name
+        self.kind = kind
+        self.strategy = strategy
+        self.info = info
+
+    def make_step(self, per_device, devices):
+        """A zero-argument callable running one all-reduce of ``per_device`` (list per replica)."""
+        if self.kind == "numpy":
+            return _numpy_step(per_device)
+        import tensorflow as tf
+        strategy = self.strategy
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tuple(per_device[ctx.replica_id_in_sync_group]))
+        if len(per_device[0]) == 1 and not isinstance(values, (tuple, list)):
+            values = (values,)
+
+        def replica_fn(*g):
+            return tf.distribute.get_replica_context().all_reduce("SUM", list(g))
+
+        @tf.function
+        def step():
+            return strategy.run(replica_fn, args=tuple(values))
+
+        return step
+
+    def local_results(self, out):
+        """Replica results of a step's output, as numpy arrays per tensor (last replica)."""
+        if self.kind == "numpy":
+            return out
+        return [self.strategy.experimental_local_results(v)[-1].numpy() for v in out]
+
+
+def _numpy_step(per_device):
+    import numpy as np
+    arrays = [[t.numpy() for t in replica] for replica in per_device]
+    outs = [np.empty_like(a) for a in arrays[0]]
+    k = len(arrays)
+
+    def step():
+        for i, out in enumerate(outs):
+            if k == 1:
+                np.copyto(out, arrays[0][i])
+                continue
+            np.add(arrays[0][i], arrays[1][i], out=out)
+            for r in range(2, k):
+                np.add(out, arrays[r][i], out=out)
+        return outs
+
+    return step
+
+
+def describe_cross_device_ops(strategy) -> str:
+    """'CollectiveAllReduce(RING)', 'ReductionToOneDevice', ... for a MirroredStrategy."""
+    cdo = getattr(strategy.extended, "_cross_device_ops", None)
+    if cdo is None:
+        return "unknown"
+    name = type(cdo).__name__
+    impl = getattr(getattr(cdo, "_options", None), "implementation", None)
+    return f"{name}({impl.name})" if impl is not None and hasattr(impl, "name") else name
+
+
+def build_contenders(devices, algorithms, bucket_bytes_list) -> tuple[list, str]:
+    """The contenders (tfdp ones first) and the description of MirroredStrategy's default."""
+    import tensorflow as tf
+
+    from tfdp.strategy import DataParallelStrategy
+    contenders = []
+    for alg in algorithms:
+        for bb in bucket_bytes_list:
+            s = DataParallelStrategy(devices, all_reduce=alg, bucket_bytes=bb)
+            contenders.append(_Contender(
+                f"tfdp {alg} b={_common.fmt_bytes(s.bucket_bytes) if s.bucket_bytes else 0}",
+                "tfdp", s, algorithm=s.all_reduce, bucket_bytes=s.bucket_bytes))
+    ms = tf.distribute.MirroredStrategy(devices)
+    default_desc = describe_cross_device_ops(ms)
+    contenders.append(_Contender(f"MS {default_desc}", "mirrored", ms,
+                                 cross_device_ops=default_desc, default=True))
+    ms1 = tf.distribute.MirroredStrategy(devices,
+                                         cross_device_ops=tf.distribute.ReductionToOneDevice())
+    contenders.append(_Contender("MS ReductionToOneDevice", "mirrored", ms1,
+                                 cross_device_ops=describe_cross_device_ops(ms1), default=False))
+    contenders.append(_Contender(f"numpy {len(devices)}-way sum", "numpy",
+                                 note="np.add into a preallocated output; one thread, no "
+                                      "broadcast; memory-bound floor"))
+    return contenders, default_desc
+
+
+# --- measurement ---------------------------------------------------------------------------------
+
+def _make_tensors(shapes, devices, seed=0):
+    import tensorflow as tf
+    per_device = []
+    for r, d in enumerate(devices):
+        with tf.device(d):
+            per_device.append([tf.random.stateless_uniform(shape, seed=(seed + r, i),
+                                                           minval=-1.0, maxval=1.0)
+                               for i, shape in enumerate(shapes)])
+    return per_device
+
+
+@contextlib.contextmanager
+def _quiet_retracing_warning():
+    """Silence TF's "N out of the last M calls ... triggered tf.function retracing" warning.
+
+    Every contender traces its own tf.function made from the same code, which TF's heuristic
+    reads as retracing in a loop; here that is intended.
+    """
+    import tensorflow as tf
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _check(contender, out, expected, workload_name):
+    import numpy as np
+    got = contender.local_results(out)
+    for idx in expected:
+        if not np.allclose(got[idx], expected[idx], rtol=1e-4, atol=1e-4):
+            raise TfdpError(
+                f"Wrong all-reduce result. Received: contender {contender.name!r} on workload "
+                f"{workload_name!r}, tensor {idx}: max error "
+                f"{float(np.max(np.abs(got[idx] - expected[idx]))):.3g}. This is a bug: please "
+                "report it with this command line.")
+
+
+def _measure(workload, contenders, devices, repeats, show_progress):
+    import numpy as np
+    shapes = workload["shapes"]
+    per_device = _make_tensors(shapes, devices)
+    expected = None
+    if per_device:
+        idxs = sorted({0, len(shapes) - 1})
+        expected = {i: np.sum([rep[i].numpy() for rep in per_device], axis=0) for i in idxs}
+    steps, warm, iters = [], [], []
+    for c in contenders:
+        step = c.make_step(per_device, devices)
+        with _quiet_retracing_warning():
+            out = step()  # traces
+        _check(c, out, expected, workload["name"])
+        del out
+        t0 = time.perf_counter()
+        step()
+        warm.append(time.perf_counter() - t0)
+        steps.append(step)
+        iters.append(max(1, min(MAX_ITERS, math.ceil(TARGET_SAMPLE_S / max(warm[-1], 1e-9)))))
+
+    samples = [[] for _ in contenders]
+    gc_was_enabled = gc.isenabled()
+    try:
+        for r in range(repeats):
+            _common.progress(f"allreduce {workload['name']}: round {r + 1}/{repeats}",
+                             show_progress)
+            gc.collect()
+            gc.disable()
+            for i in _common.round_order(len(contenders), r):
+                step, n = steps[i], iters[i]
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    step()
+                samples[i].append((time.perf_counter() - t0) / n)
+            if gc_was_enabled:
+                gc.enable()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    del steps, per_device
+    gc.collect()
+
+    nbytes = 4 * sum(_num_elements(s) for s in shapes)
+    k = len(devices)
+    results = []
+    for c, times, n, w in zip(contenders, samples, iters, warm):
+        st = _common.summarize(times)
+        algbw = nbytes / st["median"] / 1e9
+        results.append({
+            "contender": c.name, "times_s": times, "iters_per_sample": n, "warm_s": w,
+            "median_s": st["median"], "min_s": st["min"], "max_s": st["max"],
+            "mean_s": st["mean"], "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k,
+        })
+    ms = next(r for r, c in zip(results, contenders) if c.info.get("default") is True)
+    ms1 = next(r for r, c in zip(results, contenders) if c.info.get("default") is False)
+    for res in results:
+        res["ratio_mirrored_over_this"] = ms["median_s"] / res["median_s"]
+        res["ratio_mirrored_one_device_over_this"] = ms1["median_s"] / res["median_s"]
+    out = {"name": workload["name"], "tensors": len(shapes), "bytes": nbytes,
+           "results": results}
+    if "size_arg" in workload:
+        out["size_arg"] = workload["size_arg"]
+    return out
+
+
+def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
+                  algorithms=DEFAULT_ALGORITHMS, bucket_bytes=(None,),
+                  repeats: int = DEFAULT_REPEATS, progress: bool = False) -> dict:
+    """Benchmark the contenders on ``model``'s gradients; returns all figures as a dict.
+
+    Args:
+      cpu_replicas: K logical CPU devices (configured first; TF must not be running with another
+        count).
+      model: "resnet50", "mlp" or "sizes" (one tensor per entry of ``sizes``).
+      sizes: bytes per tensor for "sizes" (ints or strings like "64K"); default DEFAULT_SIZES.
+      algorithms: tfdp algorithms to run (each with every ``bucket_bytes``).
+      bucket_bytes: tfdp bucket capacities; None is tfdp's default.
+      repeats: rounds; each round runs every contender once, alternating the order.
+      progress: print "round i/R" lines to stderr.
+
+    Returns:
+      {"benchmark", "cpu_replicas", "devices", "model", "repeats", "mirrored_cross_device_ops",
+       "contenders": [...], "workloads": [{"name", "tensors", "bytes", "results": [{"contender",
+       "times_s", "median_s", "min_s", "algbw_gbps", "busbw_gbps", "ratio_mirrored_over_this",
+       ...}]}], "environment"}. Times are seconds per all-reduce.
+    """
+    devices = _common.configure_replicas(cpu_replicas)
+    workloads = workloads_for(model, sizes)
+    contenders, ms_desc = build_contenders(devices, list(algorithms), list(bucket_bytes))
+    _common.progress(f"MirroredStrategy default cross_device_ops on {cpu_replicas} CPU "
+                     f"replicas: {ms_desc}", progress)
+    measured = [_measure(w, contenders, devices, repeats, progress) for w in workloads]
+    return {
+        "benchmark": "allreduce", "cpu_replicas": cpu_replicas, "devices": devices,
+        "model": model, "repeats": repeats, "mirrored_cross_device_ops": ms_desc,
+        "contenders": [{"name": c.name, "kind": c.kind, **c.info} for c in contenders],
+        "workloads": measured, "environment": _common.environment(),
+        "notes": {"time": "seconds per all-reduce (median over rounds)",
+                  "algbw_gbps": "bytes of one replica's gradients / median time, 1e9 B/s",
+                  "busbw_gbps": "algbw * 2 (K-1) / K (nccl-tests)",
+                  "ratio_mirrored_over_this": "MirroredStrategy (default) median / this "
+                                              "median: > 1 means faster than MirroredStrategy"},
+    }
+
+
+# --- output --------------------------------------------------------------------------------------
+
+def format_allreduce(result: dict) -> str:
+    k = result["cpu_replicas"]
+    env = result["environment"]
+    lines = [f"tfdp bench allreduce: model {result['model']}, {k} CPU replicas "
+             f"({env['cpu_cores']} cores), {result['repeats']} rounds, TF {env['tensorflow']}",
+             f"MirroredStrategy default cross_device_ops: {result['mirrored_cross_device_ops']}"]
+    headers = ["contender", "median ms", "min ms", "algbw GB/s", "busbw GB/s", "MS/this"]
+    sizes_mode = result["model"] == "sizes"
+    if sizes_mode:
+        headers = ["size"] + headers
+    rows = []
+    for w in result["workloads"]:
+        if not sizes_mode:
+            lines.append(f"workload {w['name']}: {w['tensors']} float32 tensors, "
+                         f"{w['bytes']:,} bytes ({w['bytes'] / 1e6:.1f} MB) per replica")
+        elif rows:
+            rows.append(None)
+        for i, r in enumerate(w["results"]):
+            row = [r["contender"], f"{r['median_s'] * 1e3:.3f}", f"{r['min_s'] * 1e3:.3f}",
+                   f"{r['algbw_gbps']:.2f}", f"{r['busbw_gbps']:.2f}",
+                   f"{r['ratio_mirrored_over_this']:.2f}"]
+            rows.append(([w["name"] if i == 0 else ""] if sizes_mode else []) + row)
+    right = set(range(2 if sizes_mode else 1, len(headers)))
+    lines += ["", _common.render_table(headers, rows, right=right), "",
+              "MS/this = MirroredStrategy (default cross_device_ops) median / this median; "
+              "> 1: faster than MirroredStrategy.",
+              f"busbw = algbw * 2(K-1)/K. The numpy row is a one-thread {k}-way sum with no "
+              "broadcast: a memory-bound reference, not an all-reduce."]
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: str) -> None:
+    """busbw vs size per contender (sizes mode), else busbw per contender as bars."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise TfdpError(
+            f"--plot needs matplotlib, which is not installed. Received: --plot {path!r}. "
+            "Install it (pip install matplotlib) or drop --plot.") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    k = result["cpu_replicas"]
+    if result["model"] == "sizes":
+        names = [c["name"] for c in result["contenders"]]
+        for name in names:
+            xs, ys = [], []
+            for w in result["workloads"]:
+                r = next(r for r in w["results"] if r["contender"] == name)
+                xs.append(w["bytes"])
+                ys.append(r["busbw_gbps"])
+            ax.plot(xs, ys, marker="o", linestyle="--" if name.startswith("numpy") else "-",
+                    label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = [w["bytes"] for w in result["workloads"]]
+        ax.set_xticks(ticks, [_common.fmt_bytes(t) for t in ticks])
+        ax.set_xlabel("bytes per replica")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.legend(fontsize=8)
+    else:
+        w = result["workloads"][0]
+        names = [r["contender"] for r in w["results"]]
+        ax.barh(names, [r["busbw_gbps"] for r in w["results"]])
+        ax.invert_yaxis()
+        ax.set_xlabel("busbw (GB/s)")
+    ax.set_title(f"all-reduce on {k} CPU replicas ({result['model']})")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

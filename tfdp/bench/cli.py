@@ -1,0 +1,251 @@
+"""``tfdp bench {allreduce,fit} [options]``: the command line of :mod:`tfdp.bench`.
+
+Arguments are validated before TensorFlow starts, the host CPU is split into ``--cpu-replicas``
+logical devices, then the benchmark runs and prints a table (progress lines go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from tfdp.errors import TfdpError, UsageError
+
+USAGE = "usage: tfdp bench {allreduce,fit} [options]   (tfdp bench COMMAND --help for details)"
+
+HELP = USAGE + """
+
+Benchmarks of tfdp's DataParallelStrategy against tf.distribute.MirroredStrategy, side by side in
+one process on K logical CPU replicas: every contender is warmed up, then rounds run each
+contender once in alternating order; figures are medians and ratios of medians.
+
+commands:
+  allreduce  one replica-context all_reduce of a gradient set (ResNet50's, a deep narrow MLP's,
+             or single tensors of given sizes); median ms, algbw, busbw, MirroredStrategy/tfdp
+  fit        Keras model.fit throughput of a deep narrow MLP: tfdp vs MirroredStrategy vs one
+             device; median examples/s and the ratio tfdp/MirroredStrategy
+
+examples:
+  tfdp bench allreduce --model resnet50 --cpu-replicas 4
+  tfdp bench allreduce --sizes 1K,1M,64M --json ar.json --plot busbw.png
+  tfdp bench allreduce --model mlp --algorithms fused --bucket-bytes 0,262144,4194304
+  tfdp bench fit --cpu-replicas 4 --steps 20"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are UsageError (one line, exit 2)."""
+
+    def error(self, message):
+        cmd = self.prog.split()[-1]
+        raise UsageError(f"{message[:1].upper()}{message[1:]}. "
+                         f"Run 'tfdp bench {cmd} --help' for usage.")
+
+
+def _common_options(p):
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    p.add_argument("--cpu-replicas", type=int, default=4, metavar="K",
+                   help="split the host CPU into K logical devices, one replica each "
+                        "(default: 4)")
+    p.add_argument("--json", metavar="FILE", help="write every raw figure to FILE as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def build_allreduce_parser():
+    from tfdp.bench.allreduce import (BENCH_ALGORITHMS, DEFAULT_ALGORITHMS, DEFAULT_REPEATS,
+                                      DEFAULT_SIZES, MODELS)
+    p = _Parser(prog="tfdp bench allreduce", add_help=False, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Time one replica-context all_reduce('SUM') of a gradient set under "
+                            "tfdp DataParallelStrategy (each --algorithms x --bucket-bytes), "
+                            "MirroredStrategy (default cross-device ops, and "
+                            "ReductionToOneDevice) and a numpy K-way sum reference.",
+                epilog="MS/this in the table is MirroredStrategy's median / the row's median "
+                       "(> 1: faster than MirroredStrategy). busbw = algbw * 2(K-1)/K as in "
+                       "nccl-tests.")
+    _common_options(p)
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="gradient set: resnet50 (214 tensors, 25.6 M floats), mlp (60 Dense(64) "
+                        "layers: 120 tensors) or sizes (one tensor per --sizes entry); default: "
+                        "resnet50, or sizes when --sizes is given")
+    p.add_argument("--sizes", metavar="S,...",
+                   help="tensor sizes in bytes for --model sizes, K/M/G suffixes "
+                        f"(default: {','.join(DEFAULT_SIZES)})")
+    p.add_argument("--algorithms", metavar="A,...", default=",".join(DEFAULT_ALGORITHMS),
+                   help=f"tfdp algorithms, from {', '.join(BENCH_ALGORITHMS)} "
+                        f"(default: {','.join(DEFAULT_ALGORITHMS)})")
+    p.add_argument("--bucket-bytes", metavar="B,...",
+                   help="tfdp bucket capacities in bytes (K/M suffixes ok; 0 = no fusion); one "
+                        "tfdp contender per algorithm and size (default: tfdp's default)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="R",
+                   help=f"rounds (default: {DEFAULT_REPEATS})")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a PNG (matplotlib): busbw vs size for --model sizes, else busbw "
+                        "per contender")
+    return p
+
+
+def build_fit_parser():
+    from tfdp.bench.fit import DEFAULTS
+    p = _Parser(prog="tfdp bench fit", add_help=False, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Keras model.fit throughput of a deep narrow MLP (--layers Dense "
+                            "layers of --width, relu, MSE on random data) under tfdp "
+                            "DataParallelStrategy vs tf.distribute.MirroredStrategy on the same "
+                            "K CPU replicas, plus one device without a strategy.")
+    _common_options(p)
+    p.add_argument("--layers", type=int, default=DEFAULTS["layers"], metavar="N",
+                   help=f"Dense layers (default: {DEFAULTS['layers']})")
+    p.add_argument("--width", type=int, default=DEFAULTS["width"], metavar="W",
+                   help=f"units per layer and input width (default: {DEFAULTS['width']})")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], metavar="B",
+                   help=f"global batch size (default: {DEFAULTS['batch']})")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], metavar="S",
+                   help=f"steps per timed fit (default: {DEFAULTS['steps']})")
+    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], metavar="R",
+                   help=f"rounds (default: {DEFAULTS['repeats']})")
+    p.add_argument("--all-reduce", default="auto", metavar="ALG",
+                   help="tfdp's all_reduce argument (default: auto)")
+    return p
+
+
+def _positive(name, value, minimum=1):
+    if value is None or value < minimum:
+        raise UsageError(f"Invalid {name}. Received: {name} {value}. "
+                         f"Give an integer >= {minimum}.")
+
+
+def _split(text):
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _parse_allreduce(argv):
+    from tfdp.bench import _common
+    from tfdp.bench.allreduce import BENCH_ALGORITHMS
+    p = build_allreduce_parser()
+    args = p.parse_args(argv)
+    if args.help:
+        return p, args
+    _positive("--cpu-replicas", args.cpu_replicas)
+    _positive("--repeats", args.repeats)
+    if args.model is None:
+        args.model = "sizes" if args.sizes else "resnet50"
+    if args.sizes is not None and args.model != "sizes":
+        raise UsageError(f"--sizes needs --model sizes. Received: --model {args.model} "
+                         f"--sizes {args.sizes}. Drop --model (or pass --model sizes).")
+    if args.model == "sizes" and args.sizes is not None:
+        sizes = [_common.parse_size(s, name="--sizes", cls=UsageError) for s in _split(args.sizes)]
+        if not sizes or min(sizes) < 4:
+            raise UsageError(f"Invalid --sizes. Received: --sizes {args.sizes}. Give sizes of "
+                             "at least 4 bytes (one float32), e.g. 1K,1M,64M.")
+        args.sizes = sizes
+    algorithms = [a.lower() for a in _split(args.algorithms)]
+    bad = [a for a in algorithms if a not in BENCH_ALGORITHMS]
+    if bad or not algorithms:
+        raise UsageError(f"Invalid --algorithms. Received: --algorithms {args.algorithms}. "
+                         f"Valid: {', '.join(BENCH_ALGORITHMS)} (comma-separated; nccl needs "
+                         "GPUs and this benchmark runs on CPU replicas).")
+    args.algorithms = list(dict.fromkeys(algorithms))
+    if args.bucket_bytes is None:
+        args.bucket_bytes = [None]
+    else:
+        buckets = [_common.parse_size(b, name="--bucket-bytes", cls=UsageError)
+                   for b in _split(args.bucket_bytes)]
+        if not buckets:
+            raise UsageError(f"Invalid --bucket-bytes. Received: --bucket-bytes "
+                             f"{args.bucket_bytes!r}. Give comma-separated byte counts, e.g. "
+                             "0,262144,4M.")
+        args.bucket_bytes = list(dict.fromkeys(buckets))
+    _check_writable("--json", args.json)
+    _check_writable("--plot", args.plot)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise TfdpError(f"--plot needs matplotlib, which is not installed. Received: --plot "
+                        f"{args.plot!r}. Install it (pip install matplotlib) or drop --plot.")
+    return p, args
+
+
+def _parse_fit(argv):
+    p = build_fit_parser()
+    args = p.parse_args(argv)
+    if args.help:
+        return p, args
+    for name in ("cpu_replicas", "layers", "width", "batch", "steps", "repeats"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.batch < args.cpu_replicas:
+        raise UsageError(f"--batch is smaller than --cpu-replicas. Received: --batch "
+                         f"{args.batch} --cpu-replicas {args.cpu_replicas}. Give every replica "
+                         "at least one example per step.")
+    from tfdp.reduce.registry import ALGORITHMS
+    if args.all_reduce.lower() not in ALGORITHMS:
+        raise UsageError(f"Invalid --all-reduce. Received: --all-reduce {args.all_reduce}. "
+                         f"Valid: {', '.join(ALGORITHMS)}.")
+    args.all_reduce = args.all_reduce.lower()
+    _check_writable("--json", args.json)
+    return p, args
+
+
+def _write_json(path, result):
+    try:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    except OSError as e:
+        raise TfdpError(f"Cannot write the JSON file. Received: --json {path!r} ({e.strerror}). "
+                        "Give a writable path.") from None
+
+
+def _check_writable(option, path):
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK) or os.path.isdir(path):
+        raise UsageError(f"Cannot write {option} here. Received: {option} {path!r}. Give a file "
+                         "path in an existing, writable directory.")
+
+
+def _quiet_tf_logs():
+    # The C++ runtime's INFO/WARNING lines would interleave with the table; only before TF starts.
+    if "tensorflow" not in sys.modules:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main(argv: list[str]) -> int:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(HELP)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    _quiet_tf_logs()
+    if cmd == "allreduce":
+        parser, args = _parse_allreduce(rest)
+        if args.help:
+            parser.print_help()
+            return 0
+        from tfdp.bench.allreduce import format_allreduce, run_allreduce, write_plot
+        result = run_allreduce(cpu_replicas=args.cpu_replicas, model=args.model,
+                               sizes=args.sizes, algorithms=args.algorithms,
+                               bucket_bytes=args.bucket_bytes, repeats=args.repeats,
+                               progress=not args.quiet)
+        print(format_allreduce(result), flush=True)
+        if args.json:
+            _write_json(args.json, result)
+        if args.plot:
+            write_plot(result, args.plot)
+        return 0
+    if cmd == "fit":
+        parser, args = _parse_fit(rest)
+        if args.help:
+            parser.print_help()
+            return 0
+        from tfdp.bench.fit import format_fit, run_fit
+        result = run_fit(cpu_replicas=args.cpu_replicas, layers=args.layers, width=args.width,
+                         batch=args.batch, steps=args.steps, repeats=args.repeats,
+                         all_reduce=args.all_reduce, progress=not args.quiet)
+        print(format_fit(result), flush=True)
+        if args.json:
+            _write_json(args.json, result)
+        return 0
+    raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit. "
+                     "Run 'tfdp bench --help' for usage.")
