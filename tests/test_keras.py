@@ -152,3 +152,21 @@ def test_one_replica_strategy_equals_no_strategy():
     ref, _ = fit_weights(None, "adam", x, y)
     m, _ = fit_weights(tfdp.DataParallelStrategy(DEVS[1]), "adam", x, y)
     assert max_diff(ref.get_weights(), m.get_weights()) <= TOL
+
+
+def test_fit_from_per_replica_pipelines():
+    """distribute_datasets_from_function: each replica builds its own pipeline."""
+    x, y = make_data(160, seed=13)
+    s = tfdp.DataParallelStrategy(DEVS[4])
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append((ctx.num_replicas_in_sync, ctx.get_per_replica_batch_size(40)))
+        return _dataset(x, y, ctx.get_per_replica_batch_size(40)).repeat()
+
+    m = build(s, "sgd_momentum")
+    hist = m.fit(s.distribute_datasets_from_function(dataset_fn), epochs=2, steps_per_epoch=4,
+                 verbose=0)
+    assert seen and all(v == (4, 10) for v in seen)
+    assert np.all(np.isfinite(hist.history["loss"]))
+    assert_replicas_identical(s, m)

@@ -1,6 +1,7 @@
 """tfdp: fast, correct data-parallel training for TensorFlow / Keras 3.
 
-Public surface: ``DataParallelStrategy``, ``configure_cpu_replicas`` and ``__version__``.
+Public surface: ``DataParallelStrategy``, ``configure_cpu_replicas``, ``data`` (sharded input
+pipelines) and ``__version__``.
 TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_cpu_replicas(n)``
 works before the TF runtime starts.
 """
@@ -8,11 +9,14 @@ works before the TF runtime starts.
 from tfdp._version import __version__
 from tfdp.devices import configure_cpu_replicas
 
-__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "__version__"]
+__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "data", "__version__"]
 
 
 def __getattr__(name):
     if name == "DataParallelStrategy":
         from tfdp.strategy import DataParallelStrategy
         return DataParallelStrategy
+    if name in ("data", "cluster", "launch"):
+        import importlib
+        return importlib.import_module(f"tfdp.{name}")
     raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
