@@ -170,3 +170,15 @@ def test_fit_from_per_replica_pipelines():
     assert seen and all(v == (4, 10) for v in seen)
     assert np.all(np.isfinite(hist.history["loss"]))
     assert_replicas_identical(s, m)
+
+
+def test_empty_replica_batch_with_batchnorm_stays_finite():
+    # 210 = 4*52 + 2: the last global batch of 2 leaves two of the four replicas empty;
+    # their NaN statistics / gradients must not leak into the reduced values.
+    x, y = make_data(210, seed=14)
+    s = tfdp.DataParallelStrategy(DEVS[4])
+    m = build(s, "sgd_momentum", batchnorm=True)
+    hist = m.fit(x, y, batch_size=52, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(hist.history["loss"])), hist.history
+    assert all(np.all(np.isfinite(w)) for w in m.get_weights())
+    assert_replicas_identical(s, m)

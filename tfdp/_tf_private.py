@@ -20,6 +20,46 @@ from tensorflow.python.distribute import values as _values
 # Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
 from tensorflow.python.framework import kernels as _kernels
 
+import contextlib
+
+# CollectiveAllReduceExtended: MultiWorkerMirroredStrategy's extended (cluster/server start-up,
+# collective runtime configuration, initial-value broadcast from worker 0, per-worker input
+# sharding); subclassed to use every local device of a worker.
+from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
+# The eager context: whether the TF runtime already started (collective ops must be configured
+# before), and configure_collective_ops (tolerated late, see late_collective_config).
+from tensorflow.python.eager import context as _context
+
+CollectiveAllReduceExtended = _cars.CollectiveAllReduceExtended
+
+
+def runtime_initialized() -> bool:
+    """Whether the TF eager runtime has started (the first op, device listing, variable...)."""
+    return _context.context()._context_handle is not None  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def late_collective_config():
+    """Let ``CollectiveAllReduceExtended`` start the multi-worker runtime after TF started.
+
+    ``context.configure_collective_ops`` refuses to run once the runtime has started ("must be
+    configured at program startup"), e.g. after ``tfdp.configure_cpu_replicas`` listed the
+    devices. What it configures (the collective group leader) also reaches the runtime through
+    the server definition that ``enable_collective_ops`` applies to the running context
+    (``CollectiveAllReduceExtended._update_config_proto`` puts it in
+    ``default_session_config.experimental.collective_group_leader``), so it is skipped then.
+    Yields True when the runtime had already started.
+    """
+    ctx = _context.context()
+    if ctx._context_handle is None:  # pylint: disable=protected-access
+        yield False
+        return
+    ctx.configure_collective_ops = lambda *args, **kwargs: None  # instance attr shadows method
+    try:
+        yield True
+    finally:
+        del ctx.configure_collective_ops
+
 TF_VERSION_CHECKED = "2.21.0"
 
 MirroredExtended = _mirrored_strategy.MirroredExtended

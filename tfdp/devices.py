@@ -26,10 +26,12 @@ def configure_cpu_replicas(n: int) -> list[str]:
                                "e.g. configure_cpu_replicas(4).")
     import tensorflow as tf
 
+    # Neither call below starts the runtime (listing *logical* devices would).
+    names = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == n:
-        return [d.name for d in tf.config.list_logical_devices("CPU")]
+        return names
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
@@ -42,7 +44,6 @@ def configure_cpu_replicas(n: int) -> list[str]:
             f"initialised. Received: n={n} with {have} logical CPU device(s) already in use. "
             "Call tfdp.configure_cpu_replicas() (or set TFDP_CPU_REPLICAS) at the very start of "
             "the program, before any TensorFlow op, device listing or model is created.") from None
-    names = [d.name for d in tf.config.list_logical_devices("CPU")]
     log.info("tfdp: host CPU split into %d logical devices", n)
     return names
 

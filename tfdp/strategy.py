@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdp import _tf_private as tfp
 from tfdp import devices as devices_lib
-from tfdp.errors import TfdpError, invalid_argument
+from tfdp.errors import invalid_argument
 from tfdp.reduce import registry
 from tfdp.reduce.local import DataParallelReduce
 
@@ -55,6 +55,16 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
         cluster (TF_CONFIG / SLURM are read when it is None).
     """
+
+    def __new__(cls, devices=None, *, cluster_resolver=None, **kwargs):
+        # Same script, no code change: a cluster of several workers (TF_CONFIG, SLURM or an
+        # explicit resolver) gives the multi-worker strategy. Python then skips __init__ below.
+        if cls is DataParallelStrategy:
+            info = _resolve_cluster(cluster_resolver)
+            if info is not None and info.num_workers > 1:
+                from tfdp.multiworker import MultiWorkerDataParallelStrategy
+                return MultiWorkerDataParallelStrategy(info, devices, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
                  compression: str | None = None, cluster_resolver=None):
@@ -148,13 +158,7 @@ def _resolve_cluster(cluster_resolver):
         from tfdp.cluster import resolve_cluster
     except ImportError:  # pragma: no cover - cluster module not installed
         return None
-    info = resolve_cluster(cluster_resolver)
-    if info.num_workers > 1:
-        raise TfdpError(
-            f"Multi-worker training is not available in this tfdp version yet. Received: a "
-            f"cluster of {info.num_workers} workers from {info.source}. Run one worker per job "
-            "(unset TF_CONFIG) until multi-worker support lands.")
-    return info
+    return resolve_cluster(cluster_resolver)
 
 
 # --- the extended: variable creation, uneven-batch weights --------------------------------------

@@ -254,8 +254,8 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
                         factor = tf.cast(weights[r], dtype)
                     if pre_mean:
                         factor = (1.0 / n) if factor is None else factor * (1.0 / n)
-                    if factor is not None:
-                        buf = buf * tf.cast(factor, dtype)
+                    if factor is not None:  # no_nan: an empty replica batch (weight 0) may
+                        buf = tf.math.multiply_no_nan(buf, tf.cast(factor, dtype))  # give NaNs
                     bufs.append(codec.encode(buf, compress))
             post = (1.0 / n) if (reduce_op == MEAN and not pre_mean) else None
 
@@ -281,7 +281,7 @@ def _gather_slices(comps, weights):
     for r, s in enumerate(comps):
         v = s.values
         if weights is not None and v.dtype.is_floating:
-            v = v * tf.cast(weights[r], v.dtype)
+            v = tf.math.multiply_no_nan(v, tf.cast(weights[r], v.dtype))
         vals.append(v)
     dense_shape = comps[0].dense_shape
     return tf.IndexedSlices(tf.concat(vals, 0), tf.concat([s.indices for s in comps], 0),

@@ -1,0 +1,703 @@
+"""MultiWorkerDataParallelStrategy: DataParallelStrategy across several worker processes.
+
+Each worker process runs K replicas on its own devices (its GPUs, else its logical CPU devices:
+``TFDP_CPU_REPLICAS=K`` / ``tfdp.configure_cpu_replicas(K)``), so a job of W workers has
+``num_replicas_in_sync == W * K``. Used exactly like ``tf.distribute.MultiWorkerMirroredStrategy``,
+with the cluster from ``TF_CONFIG`` / SLURM (``tfdp.cluster.resolve_cluster``)::
+
+    strategy = MultiWorkerDataParallelStrategy()      # at program start-up
+    with strategy.scope():
+        model = build_model()
+        model.compile(...)
+    model.fit(global_dataset)   # every worker passes the same global dataset
+
+How it is built (TF 2.21):
+
+* The strategy *is* a ``tf.distribute.MultiWorkerMirroredStrategy`` (subclass), so Keras 3
+  reduces fit/evaluate outputs and concatenates predict outputs across workers, the input
+  pipeline is sharded per worker (``InputContext``: every element of a global batch reaches
+  exactly one replica of one worker), initial variable values are broadcast from worker 0, and the
+  gRPC server / collective runtime are started as by TF.
+* Its extended subclasses TF's ``CollectiveAllReduceExtended`` (which only ever uses CPU:0 or
+  the GPUs of a worker) to use the worker's K local devices, and tfdp's ``_DataParallelExtended``
+  (Keras train-step detection, uneven-batch gradient weights, BatchNorm-statistics sync).
+* Reduction (:class:`MultiWorkerReduce`) is hierarchical: the K local values are summed first
+  (packed into buckets, ``tfdp.reduce.packing``; weighted; optionally compressed), then summed
+  across workers by one TF collective per bucket (``CollectiveReduceV2``, RING on CPU with
+  ``max_subdivs_per_device=16``, NCCL on GPUs) on one device per worker, then copied to the local
+  devices. With ``all_reduce="ring"`` the local stage is a reduce-scatter: device c of every
+  worker all-reduces chunk c, i.e. K concurrent cross-worker collectives, then a local all-gather.
+  ``tf.IndexedSlices`` (embedding gradients) are all-gathered: locally, then across workers
+  (padded to the longest worker's slice count, then unpadded).
+* Uneven batches stay exact across workers: replica r's gradient weight is ``n_r * N / sum(n)``
+  with the sum over all N replicas of all workers (a cross-worker all-reduce of each worker's
+  local example count, inside the train step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import tensorflow as tf
+
+from tfdp import _tf_private as tfp
+from tfdp import devices as devices_lib
+from tfdp import strategy as strategy_lib
+from tfdp.errors import TfdpError, invalid_argument
+from tfdp.reduce import compression as codec
+from tfdp.reduce import packing, registry
+
+CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
+runtime_initialized = tfp.runtime_initialized
+late_collective_config = tfp.late_collective_config
+
+log = logging.getLogger("tfdp")
+
+# Collective keys. TF's own CollectiveKeys (initial-value broadcast, TF's CollectiveAllReduce
+# used for gather) hand out small group keys from 1; tfdp's groups live far above. Instance keys
+# come from one process-wide counter, so every collective tfdp builds has its own key. Every worker
+# builds the same collectives in the same order (same program, same traces), so keys agree.
+_GROUP_KEY_BASE = 1 << 24
+_instance_keys = itertools.count(1)
+_instance_lock = threading.Lock()
+
+# dtypes CollectiveReduceV2 / CollectiveGatherV2 accept (others are cast for the trip).
+_REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
+_GATHER_DTYPES = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
+_RING_SUBDIVS = 16  # measured: 2 workers, 64 MB float32 on loopback: 610 ms -> 267 ms (DESIGN.md)
+
+SUM = tf.distribute.ReduceOp.SUM
+MEAN = tf.distribute.ReduceOp.MEAN
+
+
+def _next_instance_key() -> int:
+    with _instance_lock:
+        return next(_instance_keys)
+
+
+def _instance_key():
+    """A fresh instance key for each *execution* of a collective.
+
+    Inside a ``tf.function`` the key is a call-time capture (``capture_call_time_value``, as TF's
+    own collective launcher does): every call of the function takes new keys from the
+    process-wide counter. Keys fixed at trace time would be reused by every step, but TF caches an
+    instance's shape under its key, so a step whose shapes differ (the uneven last batch, or a
+    sparse gradient) would fail; and workers that retrace at different times would disagree.
+    """
+    if tf.executing_eagerly():
+        return _next_instance_key()
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    if not getattr(graph, "building_function", False):
+        return _next_instance_key()
+    with graph.as_default():
+        return graph.capture_call_time_value(_instance_key_tensor, tf.TensorSpec([], tf.int32))
+
+
+def _instance_key_tensor():
+    with tf.device("CPU:0"):
+        return tf.constant(_next_instance_key(), tf.int32)
+
+
+def _op(reduce_op):
+    if isinstance(reduce_op, str):
+        return tf.distribute.ReduceOp(reduce_op.upper())
+    return reduce_op
+
+
+def _scale(t, factor):
+    if factor is None:
+        return t
+    if t.dtype.is_integer:
+        return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
+    return t * tf.cast(factor, t.dtype)
+
+
+def _copies(t, devices):
+    """``t`` on every device of ``devices`` (t itself where it already is)."""
+    out = []
+    for d in devices:
+        with tf.device(d):
+            out.append(tf.identity(t))
+    return out
+
+
+# --- the cross-device ops ----------------------------------------------------------------------
+
+class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
+    """Hierarchical all-reduce: local devices, then across workers with TF collectives.
+
+    Args:
+      devices: this worker's replica devices (canonical strings), in local replica order.
+      num_workers: number of worker processes (each with ``len(devices)`` replicas).
+      algorithm: local stage: "ring" (reduce-scatter, one cross-worker collective per local
+        device and chunk, all-gather) or anything else (pairwise tree to the first device, one
+        cross-worker collective there, copy back).
+      bucket_bytes: fusion bucket capacity (``tfdp.reduce.packing``); None: packing's default.
+      compression: None, "fp16" or "bf16": dense float buckets travel in that dtype.
+      fallback: TF's ``CollectiveAllReduce`` over the same devices, used for ``gather``.
+      timeout_seconds: collective timeout (0: none); an expired collective raises
+        DeadlineExceededError instead of waiting for a peer forever.
+    """
+
+    def __init__(self, devices, num_workers: int, algorithm: str = "fused",
+                 bucket_bytes: int | None = None, compression: str | None = None, *,
+                 fallback=None, timeout_seconds: float = 0.0):
+        super().__init__()
+        self.devices = tuple(devices)
+        self.num_workers = int(num_workers)
+        self.algorithm = algorithm
+        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
+        self.bucket_bytes = packing.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.compression = registry.validate_compression(compression)
+        self.timeout_seconds = float(timeout_seconds)
+        self._fallback = fallback
+        self.gpu = all(devices_lib.is_gpu(d) for d in self.devices)
+        self.hint = "nccl" if self.gpu else "ring"
+        # NCCL needs every worker to launch collectives in the same order: each collective on a
+        # GPU takes its device's ordering token (a resource), so TF's automatic control
+        # dependencies run them in program order (as TF's own CollectiveReplicaLauncher does).
+        self._tokens = None
+        if self.gpu:
+            with tf.init_scope():
+                self._tokens = []
+                for d in self.devices:
+                    with tf.device(d):
+                        self._tokens.append(tf.Variable(0.0, trainable=False,
+                                                        name="tfdp_collective_order"))
+        self.traced_batch_reductions = 0
+        self.last_plan: list = []
+
+    def __repr__(self):
+        return (f"MultiWorkerReduce(workers={self.num_workers}, local_devices="
+                f"{len(self.devices)}, algorithm={self.algorithm!r}, "
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}, "
+                f"cross_worker={self.hint!r})")
+
+    @property
+    def _num_between_graph_workers(self):
+        return self.num_workers
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices) * self.num_workers
+
+    # --- cross-worker primitives (one device per worker; same call order on every worker) ----
+
+    def _ordering_token(self, index):
+        return [] if self._tokens is None else [self._tokens[index].handle]
+
+    def cross_worker_sum(self, t, index: int = 0):
+        """Sum ``t`` (on local device ``index``) over the workers: one collective."""
+        dtype = t.dtype
+        wire = t
+        if dtype not in _REDUCE_DTYPES:
+            wire = tf.cast(t, tf.int64 if dtype.is_integer or dtype == tf.bool else tf.float32)
+        with tf.device(self.devices[index]):
+            out = tf.raw_ops.CollectiveReduceV2(
+                input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
+                instance_key=_instance_key(), ordering_token=self._ordering_token(index),
+                merge_op="Add", final_op="Id", communication_hint=self.hint,
+                timeout_seconds=self.timeout_seconds,
+                max_subdivs_per_device=-1 if self.gpu else _RING_SUBDIVS)
+            return out if wire is t else tf.cast(out, dtype)
+
+    def cross_worker_gather(self, t, index: int = 0):
+        """Concatenate ``t`` (same shape on every worker) of all workers along axis 0."""
+        dtype = t.dtype
+        wire = t if dtype in _GATHER_DTYPES else tf.cast(
+            t, tf.int64 if dtype.is_integer or dtype == tf.bool else tf.float32)
+        with tf.device(self.devices[index]):
+            out = tf.raw_ops.CollectiveGatherV2(
+                input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
+                instance_key=_instance_key(), ordering_token=self._ordering_token(index),
+                communication_hint=self.hint, timeout_seconds=self.timeout_seconds)
+            return out if wire is t else tf.cast(out, dtype)
+
+    def cross_worker_gather_ragged(self, t, index: int = 0):
+        """Concatenate along axis 0 tensors whose first dimension differs between workers."""
+        with tf.device(self.devices[index]):
+            n = tf.shape(t, out_type=tf.int32)[:1]
+            lens = self.cross_worker_gather(n, index)
+            longest = tf.reduce_max(lens)
+            pad = [[0, longest - n[0]]] + [[0, 0]] * (t.shape.rank - 1)
+            gathered = self.cross_worker_gather(tf.pad(t, pad), index)
+            keep = tf.reshape(tf.range(longest)[tf.newaxis, :] < lens[:, tf.newaxis], [-1])
+            return tf.boolean_mask(gathered, keep)
+
+    # --- tf.distribute.CrossDeviceOps contract -------------------------------------------------
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        del options
+        if len(per_replica_value.values) != len(self.devices):
+            raise ValueError(
+                f"tfdp MultiWorkerReduce expects one value per local replica "
+                f"({len(self.devices)}); got {len(per_replica_value.values)}.")
+        reduced = self.all_reduce(reduce_op, [per_replica_value])[0]
+        if (not tfp.has_destinations(destinations)
+                or tuple(tfp.devices_of(destinations)) == self.devices):
+            return reduced
+        first = tfp.select_replica(0, reduced) if tfp.is_distributed_values(reduced) else reduced
+        return self.broadcast(first, destinations)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        return self.batch_reduce_weighted(reduce_op, value_destination_pairs, None)
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        if self._fallback is None:
+            raise NotImplementedError("gather needs the fallback CollectiveAllReduce")
+        return self._fallback._gather_implementation(  # pylint: disable=protected-access
+            per_replica_value, destinations, axis, options)
+
+    # --- tfdp ----------------------------------------------------------------------------------
+
+    def batch_reduce_weighted(self, reduce_op, value_destination_pairs, weights):
+        """batch_reduce where replica r's values are multiplied by ``weights[r]`` first."""
+        reduce_op = _op(reduce_op)
+        pairs = list(value_destination_pairs)
+        if all(not tfp.has_destinations(d) or tuple(tfp.devices_of(d)) == self.devices
+               for _, d in pairs):
+            return self.all_reduce(reduce_op, [v for v, _ in pairs], weights)
+        if weights is not None:
+            raise NotImplementedError("weighted reduction to other destinations")
+        return [self.reduce_implementation(reduce_op, v, d, None) for v, d in pairs]
+
+    def all_reduce(self, reduce_op, values, weights=None):
+        """All-reduce PerReplica values over every replica of every worker.
+
+        Args:
+          reduce_op: SUM or MEAN (MEAN divides by the global replica count).
+          values: DistributedValues with one component per local device, in replica order.
+          weights: optional per-local-replica scalar tensors multiplying float values first.
+        Returns:
+          Mirrored values (plain tensors with one local device), identical on every worker.
+        """
+        reduce_op = _op(reduce_op)
+        self.traced_batch_reductions += 1
+        devices = list(self.devices)
+        k = len(devices)
+        n_global = self.num_replicas
+        results = [None] * len(values)
+        comps_of = [list(v.values) if tfp.is_distributed_values(v) else [v] for v in values]
+        dense = [i for i, c in enumerate(comps_of) if not isinstance(c[0], tf.IndexedSlices)]
+        sparse = [i for i, c in enumerate(comps_of) if isinstance(c[0], tf.IndexedSlices)]
+
+        for i in sparse:
+            results[i] = self._all_gather_slices(comps_of[i], weights, reduce_op)
+
+        specs = []
+        for i in dense:
+            t = comps_of[i][0]
+            specs.append((t.dtype, t.shape.num_elements(), t.dtype.size))
+        plan = packing.plan(specs, self.bucket_bytes)
+        self.last_plan = plan
+        for bucket in plan:
+            idx = [dense[j] for j in bucket.indices]
+            dtype = bucket.dtype
+            shapes = [comps_of[i][0].shape for i in idx]
+            if not bucket.fused and not shapes[0].is_fully_defined():
+                shapes = None
+            floating = dtype.is_floating
+            compress = self.compression if floating else None
+            pre_mean = reduce_op == MEAN and compress is not None
+            bufs = []
+            for r, d in enumerate(devices):
+                with tf.device(d):
+                    comps = [comps_of[i][r] for i in idx]
+                    buf = packing.pack(comps) if bucket.fused else tf.identity(comps[0])
+                    factor = None
+                    if weights is not None and floating:
+                        factor = tf.cast(weights[r], dtype)
+                    if pre_mean:
+                        factor = (1.0 / n_global) if factor is None else factor / n_global
+                    if factor is not None:  # 0 * NaN = 0: an empty replica adds nothing
+                        buf = tf.math.multiply_no_nan(buf, tf.cast(factor, dtype))
+                    bufs.append(codec.encode(buf, compress))
+            post = (1.0 / n_global) if (reduce_op == MEAN and not pre_mean) else None
+
+            def finish(t, index, dtype=dtype, post=post):
+                return _scale(codec.decode(self.cross_worker_sum(t, index), dtype), post)
+
+            size = bufs[0].shape.num_elements()
+            if self.algorithm == "ring" and k > 1 and size is not None and size >= k:
+                reduced = self._ring(bufs, devices, finish)
+            else:
+                reduced = self._tree(bufs, devices, finish)
+            per_value = [[None] * k for _ in idx]
+            for r, d in enumerate(devices):
+                with tf.device(d):
+                    parts = (packing.unpack(reduced[r], bucket.sizes, shapes) if bucket.fused
+                             else [reduced[r]])
+                for j, p in enumerate(parts):
+                    per_value[j][r] = p
+            for j, i in enumerate(idx):
+                results[i] = tfp.mirrored(per_value[j])
+        return results
+
+    # --- local stages ------------------------------------------------------------------------
+
+    @staticmethod
+    def _tree(bufs, devices, finish):
+        """Pairwise tree of adds to devices[0], finish (cross-worker) there, copy to all."""
+        items = list(zip(bufs, devices))
+        while len(items) > 1:
+            nxt = []
+            for j in range(0, len(items) - 1, 2):
+                (a, da), (b, _) = items[j], items[j + 1]
+                with tf.device(da):
+                    nxt.append((a + b, da))
+            if len(items) % 2:
+                nxt.append(items[-1])
+            items = nxt
+        with tf.device(devices[0]):
+            total = finish(items[0][0], 0)
+        return _copies(total, devices)
+
+    @staticmethod
+    def _ring(bufs, devices, finish):
+        """Reduce-scatter (device c sums chunk c), finish chunk c on device c, all-gather."""
+        k = len(bufs)
+        shape = bufs[0].shape
+        size = shape.num_elements()
+        base, rem = divmod(size, k)
+        sizes = [base + (1 if c < rem else 0) for c in range(k)]
+        chunks = []
+        for b, d in zip(bufs, devices):
+            with tf.device(d):
+                chunks.append(tf.split(tf.reshape(b, [-1]), sizes))
+        summed = []
+        for c, d in enumerate(devices):
+            with tf.device(d):
+                summed.append(finish(tf.math.add_n([chunks[r][c] for r in range(k)]), c))
+        out = []
+        for d in devices:
+            with tf.device(d):
+                out.append(tf.reshape(tf.concat(summed, 0), shape))
+        return out
+
+    def _all_gather_slices(self, comps, weights, reduce_op):
+        """Sum of IndexedSlices = concatenation: local replicas, then workers (in rank order)."""
+        devices = self.devices
+        with tf.device(devices[0]):
+            vals = []
+            for r, s in enumerate(comps):
+                v = s.values
+                if weights is not None and v.dtype.is_floating:
+                    v = tf.math.multiply_no_nan(v, tf.cast(weights[r], v.dtype))
+                vals.append(v)
+            values = tf.concat(vals, 0)
+            indices = tf.concat([s.indices for s in comps], 0)
+            values = self.cross_worker_gather_ragged(values, 0)
+            indices = self.cross_worker_gather_ragged(indices, 0)
+            if reduce_op == MEAN:
+                values = _scale(values, 1.0 / self.num_replicas)
+            dense_shape = comps[0].dense_shape
+        per_dev = []
+        for d in devices:
+            with tf.device(d):
+                per_dev.append(tf.IndexedSlices(tf.identity(values), tf.identity(indices),
+                                                dense_shape))
+        return tfp.mirrored(per_dev)
+
+
+# --- the extended ------------------------------------------------------------------------------
+
+class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllReduceExtended):
+    """CollectiveAllReduceExtended on every local device, with tfdp's reduction and weights.
+
+    Method resolution: tfdp's ``_DataParallelExtended`` first (train-step gradient weights in
+    ``_batch_reduce_to``, BatchNorm-statistics sync, destination filling), then TF's
+    ``CollectiveAllReduceExtended`` (cluster, server, broadcasts, input sharding), then
+    ``MirroredExtended``.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver, local_devices, algorithm,
+                 bucket_bytes, compression, timeout_seconds):
+        self._tfdp_requested_devices = local_devices
+        self._grad_ctx = None
+        with late_collective_config() as late:
+            CollectiveAllReduceExtended.__init__(
+                self, container_strategy, cluster_resolver=cluster_resolver,
+                communication_options=tf.distribute.experimental.CommunicationOptions())
+        self.tfdp_late_start = late
+        devs = list(self.worker_devices)
+        choice = registry.choose(
+            algorithm, devs, physical_gpus=len(tf.config.list_physical_devices("GPU")),
+            nccl_kernel=tfp.nccl_kernel_registered())
+        self.tfdp_choice = choice
+        self._tf_collective_ops = self._cross_device_ops
+        self._tfdp_reduce = MultiWorkerReduce(
+            devs, self._num_workers, choice.algorithm, bucket_bytes, compression,
+            fallback=self._tf_collective_ops, timeout_seconds=timeout_seconds)
+        self._cross_device_ops = self._tfdp_reduce
+
+    # local devices: every GPU, else every logical CPU device of this worker
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        requested = self._tfdp_requested_devices
+        if requested is not None:
+            names = [devices_lib.short_name(devices_lib.canonical(str(d))) for d in requested]
+            kinds = {n.split(":")[0] for n in names}
+            if len(kinds) != 1 or len(set(names)) != len(names):
+                raise invalid_argument("devices", requested, fix="List each device once, all "
+                                       "of one type (['CPU:0', 'CPU:1'] or ['GPU:0', 'GPU:1']).")
+            return tuple(f"{worker_device}/device:{n}" for n in names), kinds.pop()
+        gpus = tf.config.list_logical_devices("GPU")
+        if gpus:
+            return tuple(f"{worker_device}/device:GPU:{i}" for i in range(len(gpus))), "GPU"
+        return (tuple(f"{worker_device}/device:CPU:{i}" for i in range(_local_cpu_count())),
+                "CPU")
+
+    # tfdp's reduction needs all local values at once: always go through merge_call.
+    def _use_merge_call(self):
+        return True
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        model = strategy_lib._keras_train_step_model(fn)
+        weights = self._replica_weights(args) if model is not None else None
+        if weights is None:
+            return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
+        previous = self._grad_ctx
+        self._grad_ctx = strategy_lib._GradientContext(model, weights)
+        try:
+            result = tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
+        finally:
+            self._grad_ctx = previous
+        self._sync_replica_local_state(model, weights)
+        return result
+
+    def _replica_weights(self, args):
+        """w_r = n_r * N / sum(n), the sum over all N replicas of all workers."""
+        k = len(self.worker_devices)
+        n_global = k * self._num_workers
+        for leaf in tf.nest.flatten(args):
+            if k == 1 and isinstance(leaf, tf.Tensor):
+                leaf = tfp.PerReplica((leaf,))  # one device per worker: values are not wrapped
+            if not tfp.is_distributed_values(leaf):
+                continue
+            comps = list(leaf.values)
+            if len(comps) != k or not all(isinstance(c, tf.Tensor) and c.shape.rank
+                                          for c in comps):
+                continue
+            sizes = []
+            for c, d in zip(comps, self.worker_devices):
+                with tf.device(d):
+                    sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
+            with tf.device(self.worker_devices[0]):
+                total = self._tfdp_reduce.cross_worker_sum(tf.math.add_n(sizes), 0)
+                scale = tf.math.divide_no_nan(tf.constant(float(n_global)), total)
+            return [s * scale for s in sizes]
+        return None
+
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if len(self.worker_devices) == 1:  # plain tensors: wrap, so the weighted path sees them
+            value_destination_pairs = [
+                (tfp.PerReplica((v,)) if isinstance(v, (tf.Tensor, tf.IndexedSlices)) else v, d)
+                for v, d in value_destination_pairs]
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+
+def _local_cpu_count() -> int:
+    cpus = tf.config.list_physical_devices("CPU")
+    conf = tf.config.get_logical_device_configuration(cpus[0]) if cpus else None
+    return len(conf) if conf else 1
+
+
+def _prepare_cpu_replicas(devices) -> None:
+    """Apply TFDP_CPU_REPLICAS without starting the TF runtime (collectives need that first)."""
+    if devices is not None or tf.config.list_physical_devices("GPU"):
+        return
+    n = devices_lib.cpu_replicas_from_env()
+    if n is None:
+        return
+    if runtime_initialized():
+        devices_lib.configure_cpu_replicas(n)  # checks the count matches, with a clear error
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is None or len(current) != n:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+        log.info("tfdp: host CPU split into %d logical devices", n)
+
+
+def _check_cluster(cluster):
+    from tfdp.cluster import ClusterInfo, check_port_free, resolve_cluster
+    from tfdp.cluster.spec import split_address
+    if cluster is None:
+        cluster = resolve_cluster()
+    if not isinstance(cluster, ClusterInfo):
+        raise invalid_argument("cluster", cluster,
+                               fix="Pass a tfdp.cluster.ClusterInfo (tfdp.cluster.resolve_cluster()"
+                                   "), or None to read TF_CONFIG / SLURM.")
+    if cluster.num_workers < 2:
+        raise invalid_argument(
+            "cluster", cluster, what="MultiWorkerDataParallelStrategy needs a cluster of 2 or "
+            "more workers", fix="Use tfdp.DataParallelStrategy for one process, or start the "
+            "workers with `tfdp launch --workers N` (which sets TF_CONFIG).")
+    if not runtime_initialized():
+        # TF's gRPC server binds every interface on this task's port: fail clearly if it is
+        # taken rather than with gRPC's "could not start server".
+        _, port = split_address(cluster.address, "address")
+        check_port_free("", port)
+    return cluster
+
+
+class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism over every local device of every worker process.
+
+    Create it at program start-up, before any TensorFlow op runs (TF's collective runtime must
+    be configured before the runtime starts; after ``tfdp.configure_cpu_replicas`` alone it is
+    still possible and tfdp does it, with a warning from TF).
+
+    Args:
+      cluster: a ``tfdp.cluster.ClusterInfo`` with 2 or more workers; None reads TF_CONFIG /
+        SLURM (``tfdp.cluster.resolve_cluster()``).
+      devices: this worker's replica devices (``["CPU:0", "CPU:1"]``, ``["GPU:0"]``); None
+        means every local GPU, else the logical CPU devices (``TFDP_CPU_REPLICAS`` /
+        ``tfdp.configure_cpu_replicas``), else CPU:0. Every worker must have as many.
+      all_reduce, bucket_bytes, compression: as for ``tfdp.DataParallelStrategy``; the
+        algorithm names the local stage ("ring": reduce-scatter + one cross-worker collective
+        per device; others: tree to one device + one cross-worker collective).
+      collective_timeout: seconds after which a cross-worker collective that is still waiting
+        for a peer fails (DeadlineExceededError); None waits forever (the launcher's timeout
+        and TF's peer health checks still apply).
+    """
+
+    def __init__(self, cluster=None, devices=None, *, all_reduce: str = "auto",
+                 bucket_bytes: int | None = None, compression: str | None = None,
+                 collective_timeout: float | None = None):
+        algorithm = registry.validate_algorithm(all_reduce)
+        compression = registry.validate_compression(compression)
+        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
+        if collective_timeout is not None and (
+                isinstance(collective_timeout, bool)
+                or not isinstance(collective_timeout, (int, float)) or collective_timeout <= 0):
+            raise invalid_argument("collective_timeout", collective_timeout,
+                                   fix="Pass a positive number of seconds, or None.")
+        if devices is not None:
+            if isinstance(devices, str) or not hasattr(devices, "__iter__") or not list(devices):
+                raise invalid_argument("devices", devices, fix="Pass a list of local device "
+                                       "names such as ['CPU:0', 'CPU:1'], or None for all local "
+                                       "devices.")
+            devices = list(devices)
+            for d in devices:
+                try:
+                    devices_lib.canonical(str(d))
+                except ValueError:
+                    raise invalid_argument("devices", devices, what=f"Invalid device {d!r}",
+                                           fix="Use names like 'CPU:0' or 'GPU:1'.") from None
+        cluster = _check_cluster(cluster)
+        _prepare_cpu_replicas(devices)
+        self._cluster = cluster
+        self._requested_all_reduce = algorithm
+        extended = _MultiWorkerExtended(self, cluster.to_resolver(), devices, algorithm,
+                                        bucket_bytes, compression, collective_timeout or 0.0)
+        tf.distribute.Strategy.__init__(self, extended)  # MWMS.__init__ minus its extended
+        _check_local_devices(extended.worker_devices, devices)
+        self._check_same_replica_count()
+        log.info("tfdp: worker %d of %d, %d replica(s) each %s; all_reduce=%r -> %r (%s), "
+                 "across workers %s; bucket_bytes=%d; compression=%s%s", cluster.rank,
+                 cluster.num_workers, len(extended.worker_devices),
+                 [devices_lib.short_name(d) for d in extended.worker_devices], algorithm,
+                 extended.tfdp_choice.algorithm, extended.tfdp_choice.reason,
+                 extended._tfdp_reduce.hint, extended._tfdp_reduce.bucket_bytes,
+                 extended._tfdp_reduce.compression,
+                 " (collective runtime started late)" if extended.tfdp_late_start else "")
+
+    # --- tfdp's additions ---------------------------------------------------------------------
+
+    @property
+    def all_reduce(self) -> str:
+        return self.extended.tfdp_choice.algorithm
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.extended._tfdp_reduce.bucket_bytes
+
+    @property
+    def compression(self):
+        return self.extended._tfdp_reduce.compression
+
+    @property
+    def cross_device_ops(self) -> MultiWorkerReduce:
+        return self.extended._tfdp_reduce
+
+    @property
+    def cluster(self):
+        """The resolved cluster (a ``tfdp.cluster.ClusterInfo``)."""
+        return self._cluster
+
+    def reduce(self, reduce_op, value, axis=None):
+        """``tf.distribute.Strategy.reduce`` across all workers, also for nested structures.
+
+        As ``DataParallelStrategy.reduce``: nested lists/tuples/dicts are reduced leaf by leaf and
+        ``axis=0`` on a scalar means ``axis=None``. Eagerly reducing (``axis=None``) per-replica
+        tensors whose shapes differ between replicas of any worker (an uneven batch, as Keras's
+        symbolic build does) is undefined in TF; tfdp returns the concatenation of this worker's
+        components along axis 0 then (the shapes are compared across workers first, so every
+        worker takes the same branch and no collective is left waiting).
+        """
+        if not tfp.is_distributed_values(value) and isinstance(value, (list, tuple, dict)):
+            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+        comps = self.experimental_local_results(value)
+        tensors = all(isinstance(c, tf.Tensor) for c in comps)
+        if axis is not None and tensors and all(c.shape.rank == 0 for c in comps):
+            axis = None  # (with one replica per worker Keras's values are plain scalars)
+        if tfp.is_distributed_values(value):
+            if (axis is None and tf.executing_eagerly() and tensors
+                    and all(c.shape.rank for c in comps)
+                    and not self._same_shapes_everywhere(comps)):
+                return tf.concat([tf.identity(c) for c in comps], axis=0)
+        return super().reduce(reduce_op, value, axis)
+
+    def _check_same_replica_count(self):
+        """Every worker must run as many replicas (one small collective at start-up)."""
+        ops = self.extended._tfdp_reduce
+        with tf.device(self.extended.worker_devices[0]):
+            counts = ops.cross_worker_gather(tf.constant([len(ops.devices)], tf.int32), 0)
+        counts = [int(c) for c in counts.numpy()]
+        if len(set(counts)) > 1:
+            raise TfdpError(
+                "Every worker must run the same number of replicas. Received: replicas per "
+                f"worker {counts} (this is worker {self._cluster.rank}). Give every worker the "
+                "same devices: the same TFDP_CPU_REPLICAS / --cpu-replicas, or as many GPUs.")
+
+    def _same_shapes_everywhere(self, comps) -> bool:
+        rank = comps[0].shape.rank
+        same_rank = all(c.shape.rank == rank for c in comps)
+        local_same = same_rank and len({tuple(c.shape) for c in comps}) == 1
+        ops = self.extended._tfdp_reduce
+        with tf.device(self.extended.worker_devices[0]):
+            shape = (tf.shape(comps[0], out_type=tf.int64) if same_rank
+                     else tf.zeros([rank], tf.int64))
+            mine = tf.concat([[tf.constant(int(local_same), tf.int64)], shape], 0)
+            everyone = tf.reshape(ops.cross_worker_gather(mine, 0), [ops.num_workers, -1])
+            return bool(tf.reduce_all(everyone == everyone[0]) and everyone[0, 0] == 1)
+
+    def __repr__(self):
+        devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
+        return (f"MultiWorkerDataParallelStrategy(worker={self._cluster.rank}/"
+                f"{self._cluster.num_workers}, devices={devs}, all_reduce={self.all_reduce!r}, "
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+
+
+def _check_local_devices(worker_devices, requested):
+    """Every local replica device must exist in this process."""
+    have = {devices_lib.short_name(d.name) for d in tf.config.list_logical_devices()}
+    missing = [devices_lib.short_name(d) for d in worker_devices
+               if devices_lib.short_name(d) not in have]
+    if missing:
+        raise invalid_argument(
+            "devices", requested, what=f"Device(s) {missing} do not exist on this worker",
+            valid=sorted(have), fix="Use tfdp.configure_cpu_replicas(n) (or TFDP_CPU_REPLICAS=n)"
+            " at program start-up for more CPU devices.")
+
+
+__all__ = ["MultiWorkerDataParallelStrategy", "MultiWorkerReduce"]
