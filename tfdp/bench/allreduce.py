@@ -220,10 +220,9 @@ def _measure(workload, contenders, devices, repeats, show_progress):
     import numpy as np
     shapes = workload["shapes"]
     per_device = _make_tensors(shapes, devices)
-    expected = None
-    if per_device:
-        idxs = sorted({0, len(shapes) - 1})
-        expected = {i: np.sum([rep[i].numpy() for rep in per_device], axis=0) for i in idxs}
+    # Every contender's result (on the last replica) is checked once against numpy's sum.
+    expected = {i: np.sum([rep[i].numpy() for rep in per_device], axis=0)
+                for i in range(len(shapes))}
     steps, warm, iters = [], [], []
     for c in contenders:
         step = c.make_step(per_device, devices)
@@ -237,6 +236,7 @@ def _measure(workload, contenders, devices, repeats, show_progress):
         steps.append(step)
         iters.append(max(1, min(MAX_ITERS, math.ceil(TARGET_SAMPLE_S / max(warm[-1], 1e-9)))))
 
+    del expected
     samples = [[] for _ in contenders]
     gc_was_enabled = gc.isenabled()
     try:
@@ -303,8 +303,18 @@ def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
        "times_s", "median_s", "min_s", "algbw_gbps", "busbw_gbps", "ratio_mirrored_over_this",
        ...}]}], "environment"}. Times are seconds per all-reduce.
     """
-    devices = _common.configure_replicas(cpu_replicas)
+    if isinstance(algorithms, str):
+        algorithms = [a.strip() for a in algorithms.split(",") if a.strip()]
+    if bucket_bytes is None or isinstance(bucket_bytes, int):
+        bucket_bytes = [bucket_bytes]
+    bad = [a for a in algorithms if a not in BENCH_ALGORITHMS]
+    if bad or not algorithms:
+        raise TfdpError(f"Invalid algorithms. Received: algorithms={list(algorithms)!r}. "
+                        f"Valid: {', '.join(BENCH_ALGORITHMS)}.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise TfdpError(f"Invalid repeats. Received: repeats={repeats!r}. Pass an int >= 1.")
     workloads = workloads_for(model, sizes)
+    devices = _common.configure_replicas(cpu_replicas)
     contenders, ms_desc = build_contenders(devices, list(algorithms), list(bucket_bytes))
     _common.progress(f"MirroredStrategy default cross_device_ops on {cpu_replicas} CPU "
                      f"replicas: {ms_desc}", progress)

@@ -14,7 +14,11 @@ import sys
 
 from tfdp.errors import TfdpError, UsageError
 
-USAGE = "usage: tfdp bench {allreduce,fit} [options]   (tfdp bench COMMAND --help for details)"
+# DataParallelStrategy's all_reduce names (tfdp.reduce.registry.ALGORITHMS; a test keeps them
+# equal). Copied because importing tfdp.reduce starts TensorFlow, and usage errors should not.
+ALL_REDUCE_NAMES = ("auto", "fused", "ring", "one_device", "nccl")
+
+USAGE = "usage: tfdp bench {allreduce,fit,workers,input} [options]   (tfdp bench COMMAND --help for details)"
 
 HELP = USAGE + """
 
@@ -27,6 +31,9 @@ commands:
              or single tensors of given sizes); median ms, algbw, busbw, MirroredStrategy/tfdp
   fit        Keras model.fit throughput of a deep narrow MLP: tfdp vs MirroredStrategy vs one
              device; median examples/s and the ratio tfdp/MirroredStrategy
+  workers    cross-worker all-reduce over loopback (N local worker jobs): tfdp, tfdp fp16 and
+             MultiWorkerMirroredStrategy, with raw loopback TCP bandwidth; algbw, busbw
+  input      sharded TFRecord input pipeline examples/s per worker vs training consumption
 
 examples:
   tfdp bench allreduce --model resnet50 --cpu-replicas 4
@@ -57,7 +64,6 @@ def build_allreduce_parser():
     from tfdp.bench.allreduce import (BENCH_ALGORITHMS, DEFAULT_ALGORITHMS, DEFAULT_REPEATS,
                                       DEFAULT_SIZES, MODELS)
     p = _Parser(prog="tfdp bench allreduce", add_help=False, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Time one replica-context all_reduce('SUM') of a gradient set under "
                             "tfdp DataParallelStrategy (each --algorithms x --bucket-bytes), "
                             "MirroredStrategy (default cross-device ops, and "
@@ -90,7 +96,6 @@ def build_allreduce_parser():
 def build_fit_parser():
     from tfdp.bench.fit import DEFAULTS
     p = _Parser(prog="tfdp bench fit", add_help=False, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Keras model.fit throughput of a deep narrow MLP (--layers Dense "
                             "layers of --width, relu, MSE on random data) under tfdp "
                             "DataParallelStrategy vs tf.distribute.MirroredStrategy on the same "
@@ -177,10 +182,9 @@ def _parse_fit(argv):
         raise UsageError(f"--batch is smaller than --cpu-replicas. Received: --batch "
                          f"{args.batch} --cpu-replicas {args.cpu_replicas}. Give every replica "
                          "at least one example per step.")
-    from tfdp.reduce.registry import ALGORITHMS
-    if args.all_reduce.lower() not in ALGORITHMS:
+    if args.all_reduce.lower() not in ALL_REDUCE_NAMES:
         raise UsageError(f"Invalid --all-reduce. Received: --all-reduce {args.all_reduce}. "
-                         f"Valid: {', '.join(ALGORITHMS)}.")
+                         f"Valid: {', '.join(ALL_REDUCE_NAMES)}.")
     args.all_reduce = args.all_reduce.lower()
     _check_writable("--json", args.json)
     return p, args
@@ -247,5 +251,20 @@ def main(argv: list[str]) -> int:
         if args.json:
             _write_json(args.json, result)
         return 0
-    raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit. "
+    if cmd == "workers":
+        from tfdp.bench.workers import main as workers_main
+        return workers_main(rest)
+    if cmd == "input":
+        from tfdp.data.bench import format_input_bench, run_input_bench
+        if rest and rest[0] in ("-h", "--help"):
+            print("usage: tfdp bench input\n\nExamples/s of the sharded TFRecord input pipeline "
+                  "(recommender-style records) per simulated worker, against what training "
+                  "consumes.")
+            return 0
+        if rest:
+            raise UsageError(f"tfdp bench input takes no options. Received: {rest!r}.")
+        print(format_input_bench(run_input_bench()), flush=True)
+        return 0
+    raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit, "
+                     "workers, input. "
                      "Run 'tfdp bench --help' for usage.")

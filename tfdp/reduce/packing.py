@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Chosen by measurement (tfdp bench fusion; README "Choosing bucket_bytes").
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 1024 * 1024
 
 
 @dataclass
