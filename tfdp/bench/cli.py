@@ -18,7 +18,7 @@ from tfdp.errors import TfdpError, UsageError
 # equal). Copied because importing tfdp.reduce starts TensorFlow, and usage errors should not.
 ALL_REDUCE_NAMES = ("auto", "fused", "ring", "one_device", "nccl")
 
-USAGE = "usage: tfdp bench {allreduce,fit,workers,input} [options]   (tfdp bench COMMAND --help for details)"
+USAGE = "usage: tfdp bench {allreduce,fit,workers,input,scaling} [options]   (tfdp bench COMMAND --help for details)"
 
 HELP = USAGE + """
 
@@ -34,6 +34,7 @@ commands:
   workers    cross-worker all-reduce over loopback (N local worker jobs): tfdp, tfdp fp16 and
              MultiWorkerMirroredStrategy, with raw loopback TCP bandwidth; algbw, busbw
   input      sharded TFRecord input pipeline examples/s per worker vs training consumption
+  scaling    predicted scaling efficiency for 1..1024 devices (alpha-beta ring model); --measure fits it here
 
 examples:
   tfdp bench allreduce --model resnet50 --cpu-replicas 4
@@ -251,6 +252,9 @@ def main(argv: list[str]) -> int:
         if args.json:
             _write_json(args.json, result)
         return 0
+    if cmd == "scaling":
+        from tfdp.bench.scaling import main as scaling_main
+        return scaling_main(rest)
     if cmd == "workers":
         from tfdp.bench.workers import main as workers_main
         return workers_main(rest)
@@ -266,5 +270,5 @@ def main(argv: list[str]) -> int:
         print(format_input_bench(run_input_bench()), flush=True)
         return 0
     raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit, "
-                     "workers, input. "
+                     "workers, input, scaling. "
                      "Run 'tfdp bench --help' for usage.")

@@ -43,9 +43,9 @@ FORMULA = ("t_comm(n) = 2(n-1)/n * S/B + 2(n-1)*alpha;  "
 DEFAULT_DEVICES = tuple(2 ** i for i in range(11))  # 1, 2, 4, ..., 1024
 DEFAULT_STEP_MS = 100.0   # used with --measure when --step-ms is not given
 DEFAULT_GRAD_MB = 100.0   # about ResNet-50's float32 gradients (25.6 M parameters)
-MEASURE_WORKERS = "2,3,4"
-MEASURE_SIZES = "256K,4M,16M"
-MEASURE_STEPS = 8
+MEASURE_WORKERS = "2,3"
+MEASURE_SIZES = "256K,1M,4M,16M"
+MEASURE_STEPS = 10
 RESULT_MARK = "SCALING_RESULT "
 
 
@@ -243,6 +243,13 @@ def format_comparison(points, alpha_s, bandwidth_Bps) -> str:
     return render_table(["devices", "size", "measured ms", "predicted ms", "error %"], rows)
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 # --- command line --------------------------------------------------------------------------------
 
 def build_parser():
@@ -368,7 +375,13 @@ def main(argv=None) -> int:
         print(f"fit (least squares, relative errors): alpha = {alpha_s * 1e6:.1f} us, "
               f"B = {bandwidth / 1e9:.3f} GB/s ({bandwidth * 8 / 1e9:.2f} Gbit/s); mean |error| "
               f"{statistics.fmean(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%; raw loopback "
-              f"TCP, one Python stream: {tcp / 1e9:.2f} GB/s\n", flush=True)
+              f"TCP, one Python stream: {tcp / 1e9:.2f} GB/s", flush=True)
+        cores = _cores()
+        if max(args.workers) > cores:
+            print(f"note: {max(args.workers)} workers share {cores} CPU cores here, so the "
+                  "reduction and copies compete for CPU and B falls with n (the model assumes "
+                  "it does not)", flush=True)
+        print(flush=True)
         result.update(measured=points, loopback_tcp_Bps=tcp,
                       fit={"alpha_s": alpha_s, "bandwidth_Bps": bandwidth,
                            "mean_abs_rel_error": statistics.fmean(errors),
