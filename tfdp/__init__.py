@@ -9,14 +9,14 @@ works before the TF runtime starts.
 from tfdp._version import __version__
 from tfdp.devices import configure_cpu_replicas
 
-__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "data", "__version__"]
+__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "callbacks", "data", "__version__"]
 
 
 def __getattr__(name):
     if name == "DataParallelStrategy":
         from tfdp.strategy import DataParallelStrategy
         return DataParallelStrategy
-    if name in ("data", "cluster", "launch"):
+    if name in ("callbacks", "data", "cluster", "launch", "train"):
         import importlib
         return importlib.import_module(f"tfdp.{name}")
     raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

@@ -103,3 +103,30 @@ def nccl_all_sum(tensors):
 
 def is_distributed_values(x) -> bool:
     return isinstance(x, tf.distribute.DistributedValues)
+
+
+@contextlib.contextmanager
+def coordination_heartbeat_timeout(seconds: float):
+    """Give the coordination service that ``CollectiveAllReduceExtended`` configures this
+    heartbeat timeout (TF's own default when not set: 10 s).
+
+    MultiWorkerMirroredStrategy's ``_initialize_multi_worker`` calls
+    ``context.configure_coordination_service(service_type="standalone", ...)`` (only when no
+    coordination service is configured yet) without a heartbeat timeout; this wraps that call
+    (an instance attribute shadowing the method, as ``late_collective_config`` does) to add
+    ``heartbeat_timeout_in_ms``. Every task's agent then heartbeats the leader (task 0) and the
+    service reports a task whose heartbeats stop as "unhealthy (stopped sending heartbeats)",
+    which aborts the collectives on every other task (UnavailableError).
+    """
+    ctx = _context.context()
+    original = ctx.configure_coordination_service
+
+    def configure(*args, **kwargs):
+        kwargs.setdefault("heartbeat_timeout_in_ms", max(1, int(round(seconds * 1000))))
+        return original(*args, **kwargs)
+
+    ctx.configure_coordination_service = configure
+    try:
+        yield
+    finally:
+        del ctx.configure_coordination_service

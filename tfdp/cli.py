@@ -13,9 +13,9 @@ from tfdp.errors import TfdpError, UsageError
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
+    "train": ("tfdp.train.cli", "train from a TOML config (configs/*.toml): fit, summary, targets"),
     "launch": ("tfdp.launch.cli", "start N local workers with TF_CONFIG on 127.0.0.1 and run CMD"),
     "bench": ("tfdp.bench.cli", "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"),
-    "demo": ("tfdp.demo", "a small data-parallel training run on CPU replicas (digits dataset)"),
 }
 
 USAGE = "usage: tfdp {" + ",".join(SUBCOMMANDS) + "} [args...]   (tfdp COMMAND --help for details)"

@@ -7,9 +7,12 @@ Each worker runs the same command in its own session (process group), with:
 * ``TFDP_CPU_REPLICAS`` and a per-worker ``CUDA_VISIBLE_DEVICES`` slice when asked for.
 
 Every output line is prefixed with ``[worker i] ``. If a worker fails, the others are stopped
-(SIGTERM to their process groups, SIGKILL after a grace period) and the job fails, or is
-restarted as a whole up to ``max_restarts`` times. SIGINT/SIGTERM sent to the launcher are
-forwarded to all workers. Every wait is bounded, so the launcher never hangs.
+(SIGTERM to their process groups, SIGKILL after a grace period, at once for a stopped
+process) and the job fails, or is restarted as a whole up to ``max_restarts`` times. The failure
+is one line naming the worker and its address; when the failed worker reported a lost peer (a
+``tfdp: peer failure: ...`` line, see ``tfdp.multiworker``), that peer is named first.
+SIGINT/SIGTERM sent to the launcher are forwarded to all workers. Every wait is bounded, so the
+launcher never hangs.
 
 Security: the TensorFlow gRPC server the workers start is unauthenticated and unencrypted, so
 the launcher only binds and advertises loopback addresses (127.0.0.1 by default); anyone who can
@@ -39,6 +42,9 @@ _KILL_WAIT_S = 5.0   # how long to wait for SIGKILLed processes to be reaped
 _JOIN_S = 2.0        # how long to wait for output reader threads after the workers exited
 _POLL_S = 0.05
 _PREFIX = "tfdp launch"
+# A worker that loses a peer (tfdp.multiworker: dead or frozen worker) prints one line starting
+# with this before exiting non-zero; the launcher repeats it in its summary of the failure.
+PEER_FAILURE_MARK = "tfdp: peer failure: "
 
 
 def make_tf_configs(workers: int, host: str = "127.0.0.1") -> list[dict]:
@@ -166,7 +172,9 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
             how = (f"failed with exit code {code}" if code >= 0
                    else f"was killed by signal {_signame(-code)}")
             others = "; stopped the other workers" if workers > 1 else ""
-            job.say(f"{job.describe(index)} {how}{others}")
+            cause = job.peer_reports[index]  # the peer it lost, when it says so
+            job.say(f"{cause}; reported by {job.describe(index)}, which {how}{others}" if cause
+                    else f"{job.describe(index)} {how}{others}")
             if received or (deadline is not None and time.monotonic() >= deadline):
                 break  # no restart once interrupted or out of time
         return code if 1 <= code <= 125 else 1
@@ -182,6 +190,7 @@ class _Job:
         self.procs: list[Popen] = []
         self.threads: list[tuple[threading.Thread, IO[bytes]]] = []
         self.addrs: list[str | None] = [None] * workers
+        self.peer_reports: list[str | None] = [None] * workers
         base = dict(env, TFDP_NUM_WORKERS=str(workers), PYTHONUNBUFFERED="1")
         if cpu_replicas is not None:
             base["TFDP_CPU_REPLICAS"] = str(cpu_replicas)
@@ -199,6 +208,7 @@ class _Job:
         """Start all workers (fresh ports for each start)."""
         configs = make_tf_configs(self.workers, self.host) if self.workers > 1 else None
         self.procs, self.threads = [], []
+        self.peer_reports = [None] * self.workers
         for i, env in enumerate(self.envs):
             env = dict(env, TFDP_RESTART_COUNT=str(restart))
             if configs:
@@ -214,7 +224,7 @@ class _Job:
                                               fix=f"{e.strerror or e}.") from None
             self.procs.append(proc)
             for pipe, stream in ((proc.stdout, self.out), (proc.stderr, self.err)):
-                t = threading.Thread(target=self._pump, args=(pipe, f"[worker {i}] ", stream),
+                t = threading.Thread(target=self._pump, args=(pipe, i, stream),
                                      name=f"tfdp-launch-worker{i}", daemon=True)
                 t.start()
                 self.threads.append((t, pipe))
@@ -244,6 +254,9 @@ class _Job:
         while any(p.poll() is None for p in self.procs) and time.monotonic() < end:
             if len(received) > first:  # signalled again: don't wait any longer
                 break
+            for p in self.procs:  # a stopped (SIGSTOP) worker cannot act on SIGTERM: kill it now
+                if p.poll() is None and _is_stopped(p.pid):
+                    _killpg(p.pid, signal.SIGKILL)
             time.sleep(_POLL_S)
         self._signal_all(signal.SIGKILL)  # also reaps leftovers in the groups
         end = time.monotonic() + _KILL_WAIT_S
@@ -265,15 +278,16 @@ class _Job:
 
     def _signal_all(self, sig) -> None:
         for p in self.procs:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass  # already gone
+            _killpg(p.pid, sig)
 
-    def _pump(self, pipe, prefix: str, stream) -> None:
-        """Copy ``pipe`` to ``stream`` line by line with ``prefix``; keep draining on errors."""
+    def _pump(self, pipe, index: int, stream) -> None:
+        """Copy ``pipe`` to ``stream`` line by line with the ``[worker i] `` prefix; keep
+        draining on errors; remember the worker's first peer-failure report."""
+        prefix = f"[worker {index}] "
         for raw in iter(lambda: pipe.readline(1 << 16), b""):
             line = raw.decode("utf-8", errors="replace")
+            if line.startswith(PEER_FAILURE_MARK) and self.peer_reports[index] is None:
+                self.peer_reports[index] = line[len(PEER_FAILURE_MARK):].strip()
             self._write(stream, prefix + (line if line.endswith("\n") else line + "\n"))
 
     def _write(self, stream, text: str) -> None:
@@ -334,6 +348,22 @@ def _check_host(host, name) -> None:
 
 def _visible_gpus(env: Mapping[str, str]) -> list[str]:
     return [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+
+
+def _killpg(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP / SIGTSTP; Linux /proc, else False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signame(num: int) -> str:

@@ -1,0 +1,19 @@
+"""Keras callbacks for data-parallel training.
+
+* :class:`Throughput`: examples/s (global and per replica), p50/p90/p99 step time, TensorBoard
+  scalars, and (several workers) a straggler report naming the slowest worker.
+* :class:`BackupAndRestore`: multi-worker-aware backups that resume at the exact step.
+* :class:`NaNGuard`: roll back to the last good backup on a NaN/Inf loss, lower the LR, stop
+  after K rollbacks.
+* :func:`straggler_report`, :func:`gather_per_worker`: per-worker figures through the strategy
+  (a no-op with one worker).
+"""
+
+from tfdp.callbacks.backup import BackupAndRestore, BackupError
+from tfdp.callbacks.guard import DivergenceError, NaNGuard
+from tfdp.callbacks.throughput import (StragglerReport, Throughput, gather_per_worker,
+                                       num_workers, percentiles_ms, straggler_report,
+                                       worker_rank)
+
+__all__ = ["BackupAndRestore", "BackupError", "DivergenceError", "NaNGuard", "StragglerReport", "Throughput", "gather_per_worker", "num_workers", "percentiles_ms",
+           "straggler_report", "worker_rank"]

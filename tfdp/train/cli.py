@@ -1,0 +1,98 @@
+"""``tfdp train CONFIG [--set SECTION.KEY=VALUE ...] [--tiny] [--baseline]``.
+
+Builds model, input pipeline and strategy from a TOML config, trains with Keras fit (progress
+bar), evaluates, prints a summary (replicas, global and per-replica batch, examples/s, step-time
+percentiles, an estimate of the all-reduce share, final metrics) and checks the config's
+[targets]. Runs unchanged on one CPU, on N local devices and under ``tfdp launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tfdp.errors import UsageError
+
+EXIT_TARGET_MISSED = 3
+
+EPILOG = """\
+examples:
+  tfdp train configs/quickstart.toml
+  tfdp train configs/resnet_cifar10.toml --set train.epochs=1 --baseline
+  tfdp train configs/bert_mlm.toml --tiny
+  tfdp launch --workers 2 --cpu-replicas 2 -- tfdp train configs/bert_mlm.toml
+
+CPU replicas: [strategy] cpu_replicas, overridden by TFDP_CPU_REPLICAS (tfdp launch
+--cpu-replicas sets it); with GPUs every local GPU is a replica.
+
+exit codes: 0 done and every target met; 1 error; 2 bad command line or config;
+3 a [targets] figure missed (the figure and the target are printed)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message[:1].upper()}{message[1:]}. Run 'tfdp train --help' for usage.")
+
+
+def build_parser():
+    p = _Parser(prog="tfdp train", description=__doc__.split("\n\n")[1], epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("config", nargs="?", help="a TOML config, e.g. configs/quickstart.toml")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.epochs=3")
+    p.add_argument("--tiny", action="store_true",
+                   help="a few steps of a tiny model on tiny data (smoke test); the file's "
+                        "[targets] are not checked, targets given with --set are")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time 1 replica and print the scaling efficiency")
+    p.add_argument("--keys", action="store_true", help="list every config key and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from tfdp.train import config as config_lib
+    if args.keys:
+        print(config_lib.describe_schema())
+        return 0
+    if not args.config:
+        raise UsageError("Missing CONFIG. Received: no config file. Pass one, e.g. "
+                         "tfdp train configs/quickstart.toml (tfdp train --help for more).")
+    overrides = list(args.overrides)
+    if args.baseline:
+        overrides.append("monitor.scaling_baseline=true")
+    cfg = config_lib.load(args.config, overrides, tiny=args.tiny)   # no TensorFlow yet
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")   # TF's C++ INFO lines (unless set)
+    from tfdp.train.runner import run, summary
+    result = run(cfg)
+    if result.rank == 0:
+        print(summary(result), flush=True)
+    else:
+        print(f"tfdp train: {result.name} finished on worker {result.rank} "
+              "(summary on worker 0)", flush=True)
+    if result.missed:
+        for key, figure, target, _, label in result.missed:
+            fig = "not measured" if figure is None else f"{figure:.4g}"
+            print(f"tfdp train: target missed: {label} {fig}, target {key} = {target:g}",
+                  file=sys.stderr, flush=True)
+        return EXIT_TARGET_MISSED
+    return 0
+
+
+def cli_main(argv=None) -> int:
+    """:func:`main` with tfdp's command-line error handling (one line; exit 2 usage, 1 error),
+    for ``python -m tfdp.train`` and the example scripts."""
+    from tfdp.errors import TfdpError
+    try:
+        return int(main(argv) or 0)
+    except UsageError as e:
+        print(f"tfdp train: error: {e}", file=sys.stderr)
+        return 2
+    except TfdpError as e:
+        print(f"tfdp train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tfdp train: interrupted", file=sys.stderr)
+        return 130
