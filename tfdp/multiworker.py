@@ -59,6 +59,7 @@ from tfdp.errors import TfdpError, invalid_argument
 from tfdp.launch.launcher import PEER_FAILURE_MARK
 from tfdp.reduce import compression as codec
 from tfdp.reduce import packing, registry
+from tfdp.reduce.local import _op, _scale  # shared helpers of the local reduction
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
 runtime_initialized = tfp.runtime_initialized
@@ -274,20 +275,6 @@ def _instance_key():
 def _instance_key_tensor():
     with tf.device("CPU:0"):
         return tf.constant(_next_instance_key(), tf.int32)
-
-
-def _op(reduce_op):
-    if isinstance(reduce_op, str):
-        return tf.distribute.ReduceOp(reduce_op.upper())
-    return reduce_op
-
-
-def _scale(t, factor):
-    if factor is None:
-        return t
-    if t.dtype.is_integer:
-        return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
-    return t * tf.cast(factor, t.dtype)
 
 
 def _copies(t, devices):
