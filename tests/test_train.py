@@ -336,6 +336,22 @@ def test_cli_tiny_run_summary_and_missed_target():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(260)
+@pytest.mark.parametrize("name", ["resnet_cifar10", "bert_mlm", "recommender",
+                                  "workstation_vision"])
+def test_tiny_config_across_two_workers(name, tmp_path):
+    extra = ["--set", f"data.dir={str(tmp_path)!r}"] if name == "recommender" else []
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
+           "--timeout", "230", "--", *TRAIN, f"configs/{name}.toml", "--tiny", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250, env=_env(),
+                       stdin=subprocess.DEVNULL)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-5000:]
+    assert "[worker 0]   replicas      4 (2 worker(s) x 2" in out
+    assert f"[worker 1] tfdp train: {name} finished on worker 1" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(260)
 def test_tiny_quickstart_across_two_workers():
     cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, "configs/quickstart.toml", "--tiny"]
