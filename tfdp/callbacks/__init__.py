@@ -5,15 +5,18 @@
 * :class:`BackupAndRestore`: multi-worker-aware backups that resume at the exact step.
 * :class:`NaNGuard`: roll back to the last good backup on a NaN/Inf loss, lower the LR, stop
   after K rollbacks.
+* :class:`PreemptionCheckpoint`: SIGTERM to any worker -> all back up at the next step, exit 75.
 * :func:`straggler_report`, :func:`gather_per_worker`: per-worker figures through the strategy
   (a no-op with one worker).
 """
 
 from tfdp.callbacks.backup import BackupAndRestore, BackupError
 from tfdp.callbacks.guard import DivergenceError, NaNGuard
+from tfdp.callbacks.preemption import EX_TEMPFAIL, Preempted, PreemptionCheckpoint
 from tfdp.callbacks.throughput import (StragglerReport, Throughput, gather_per_worker,
                                        num_workers, percentiles_ms, straggler_report,
                                        worker_rank)
 
-__all__ = ["BackupAndRestore", "BackupError", "DivergenceError", "NaNGuard", "StragglerReport", "Throughput", "gather_per_worker", "num_workers", "percentiles_ms",
+__all__ = ["BackupAndRestore", "BackupError", "DivergenceError", "EX_TEMPFAIL", "NaNGuard",
+           "Preempted", "PreemptionCheckpoint", "StragglerReport", "Throughput", "gather_per_worker", "num_workers", "percentiles_ms",
            "straggler_report", "worker_rank"]
