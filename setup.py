@@ -41,7 +41,7 @@ setup(
         "portpicker",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn"],
+        "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn", "matplotlib"],
         "data": ["tensorflow-datasets"],
         "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
