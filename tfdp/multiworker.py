@@ -59,7 +59,7 @@ from tfdp.errors import TfdpError, invalid_argument
 from tfdp.launch.launcher import PEER_FAILURE_MARK
 from tfdp.reduce import compression as codec
 from tfdp.reduce import packing, registry
-from tfdp.reduce.local import _op, _scale  # shared helpers of the local reduction
+from tfdp.reduce.local import _op, _scale, tree_sum  # shared with the local reduction
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
 runtime_initialized = tfp.runtime_initialized
@@ -503,18 +503,9 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
     @staticmethod
     def _tree(bufs, devices, finish):
         """Pairwise tree of adds to devices[0], finish (cross-worker) there, copy to all."""
-        items = list(zip(bufs, devices))
-        while len(items) > 1:
-            nxt = []
-            for j in range(0, len(items) - 1, 2):
-                (a, da), (b, _) = items[j], items[j + 1]
-                with tf.device(da):
-                    nxt.append((a + b, da))
-            if len(items) % 2:
-                nxt.append(items[-1])
-            items = nxt
+        total = tree_sum(bufs, devices)
         with tf.device(devices[0]):
-            total = finish(items[0][0], 0)
+            total = finish(total, 0)
         return _copies(total, devices)
 
     @staticmethod

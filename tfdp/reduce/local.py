@@ -66,7 +66,8 @@ def _one_device(bufs, devices, finish):
     return _broadcast(total, devices)
 
 
-def _tree(bufs, devices, finish):
+def tree_sum(bufs, devices):
+    """Pairwise tree of adds whose levels are spread over the devices; the sum is on devices[0]."""
     items = list(zip(bufs, devices))
     while len(items) > 1:
         nxt = []
@@ -77,8 +78,12 @@ def _tree(bufs, devices, finish):
         if len(items) % 2:
             nxt.append(items[-1])
         items = nxt
-    total, d0 = items[0]
-    with tf.device(d0):
+    return items[0][0]
+
+
+def _tree(bufs, devices, finish):
+    total = tree_sum(bufs, devices)
+    with tf.device(devices[0]):
         total = finish(total if len(bufs) > 1 else tf.identity(total))
     return _broadcast(total, devices)
 
