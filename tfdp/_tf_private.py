@@ -17,6 +17,8 @@ from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 # Build Mirrored / PerReplica containers from per-device components; select one replica's values.
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
+# The calling replica's id as an int (replica-context collectives, gradient accumulation).
+from tensorflow.python.distribute import values_util as _values_util
 # Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
 from tensorflow.python.framework import kernels as _kernels
 
@@ -99,6 +101,11 @@ def nccl_all_sum(tensors):
     """TF's own NCCL all-sum over tensors on distinct GPUs (one output per input device)."""
     from tensorflow.python.ops import nccl_ops
     return nccl_ops.all_sum(tensors)
+
+
+def current_replica_id() -> int:
+    """The replica id (an int) of the calling replica context (values_util)."""
+    return _values_util.get_current_replica_id_as_int()
 
 
 def is_distributed_values(x) -> bool:

@@ -8,7 +8,7 @@ Used exactly like ``tf.distribute.MirroredStrategy``::
         model.compile(...)
     model.fit(dataset)
 
-On top of MirroredStrategy's variable mirroring and input pipeline it changes three things:
+On top of MirroredStrategy's variable mirroring and input pipeline it changes four things:
 
 1. Reduction is tfdp's own (``tfdp.reduce``): fused buckets, NCCL/ring/tree, compression.
 2. Uneven batches are exact. Keras scales each replica's mean loss by 1/num_replicas whatever the
@@ -16,7 +16,10 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes th
    give the global-batch mean. During a Keras ``train_step`` tfdp weights replica r's gradients
    by ``n_r * N / sum(n)`` inside the gradient all-reduce, which makes the step exactly the
    global-batch mean (weights are exactly 1.0 for even splits).
-3. Mirrored means mirrored. Floating non-trainable variables with aggregation NONE (BatchNorm
+3. Keras's own ``gradient_accumulation_steps=k`` works (MirroredStrategy crashes on it): the
+   optimizer's all-reduce sits in a ``tf.cond``, so during such train steps tfdp reduces from
+   the replica contexts (``tfdp.reduce.collective``), one all-reduce per k micro-steps.
+4. Mirrored means mirrored. Floating non-trainable variables with aggregation NONE (BatchNorm
    moving statistics) are averaged across replicas (weighted by batch share) at the end of every
    Keras train step, so the copies never drift apart (MirroredStrategy lets them drift). In a
    custom loop with BatchNormalization, use ``SyncBatchNorm``-style layers or average them yourself.
@@ -52,6 +55,10 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         choice once. An explicit choice that cannot run here raises, never falls back.
       bucket_bytes: fused-bucket capacity in bytes (0 disables fusion; None: measured default).
       compression: None | "fp16" | "bf16": gradients travel in that dtype.
+      sparse: None | "auto" | "gather" | "densify": how IndexedSlices (Embedding gradients) are
+        reduced (``tfdp.reduce.sparse``); None reads ``TFDP_SPARSE``, default "auto" (the
+        measured rule; it densifies only for optimizers linear in the gradient, plain/momentum
+        SGD without clipping).
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
         cluster (TF_CONFIG / SLURM are read when it is None).
     """
@@ -67,7 +74,10 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         return super().__new__(cls)
 
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
-                 compression: str | None = None, cluster_resolver=None):
+                 compression: str | None = None, sparse: str | None = None,
+                 cluster_resolver=None):
+        from tfdp.reduce import sparse as sparse_lib
+        sparse = sparse_lib.resolve_mode(sparse)
         algorithm = registry.validate_algorithm(all_reduce)
         compression = registry.validate_compression(compression)
         bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
@@ -78,7 +88,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
             nccl_kernel=tfp.nccl_kernel_registered())
         self._requested_all_reduce = algorithm
         self._choice = choice
-        self._reduce = DataParallelReduce(choice.algorithm, bucket_bytes, compression)
+        self._reduce = DataParallelReduce(choice.algorithm, bucket_bytes, compression, sparse)
         _log_choice_once(algorithm, choice, devs, self._reduce)
         extended = _DataParallelExtended(self, devices=devs, cross_device_ops=self._reduce)
         tf.distribute.Strategy.__init__(self, extended)  # MirroredStrategy.__init__ minus its extended
@@ -185,6 +195,40 @@ def _keras_train_step_model(fn):
     return None
 
 
+def _accumulation_steps(model):
+    """The model optimizer's ``gradient_accumulation_steps`` (also behind a loss-scale wrapper)."""
+    opt = getattr(model, "optimizer", None)
+    for o in (opt, getattr(opt, "inner_optimizer", None)):
+        steps = getattr(o, "gradient_accumulation_steps", None)
+        if steps:
+            return int(steps)
+    return None
+
+
+def _linear_in_gradient(optimizer) -> bool:
+    """Whether ``optimizer``'s update is linear in the gradient, so a densified IndexedSlices
+    (duplicate ids summed first) gives the same update: plain or momentum SGD without clipping
+    (Keras's Adam/Adagrad/RMSprop square sparse rows one by one; clipping takes norms)."""
+    import keras
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        return False
+    return all(getattr(optimizer, a, None) is None
+               for a in ("clipnorm", "clipvalue", "global_clipnorm"))
+
+
+def _assert_even_split(weights, steps):
+    """With gradient accumulation every micro-batch must split evenly over the replicas."""
+    w = tf.stack(weights)
+    tf.debugging.assert_near(
+        w, tf.ones_like(w), rtol=1e-6, atol=0.0, message=(
+            "tfdp: with gradient_accumulation_steps="
+            f"{steps} every micro-batch must split evenly over the replicas (an uneven split "
+            "cannot be weighted exactly once gradients are accumulated). Received: an uneven "
+            "batch (per-replica weights != 1). Fix: make the global batch size divisible by the "
+            "number of replicas and drop the remainder (dataset.batch(..., drop_remainder=True) "
+            "or tfdp.data with drop_remainder=True)."))
+
+
 def _is_subsequence(short, long) -> bool:
     it = iter(long)
     return all(any(s == x for x in it) for s in short)
@@ -196,19 +240,70 @@ class _DataParallelExtended(tfp.MirroredExtended):
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
         self._tfdp_reduce = cross_device_ops
         self._grad_ctx = None
+        self._tfdp_no_merge = False
+        self._tfdp_replica_reduce = None
+        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
+
+    # --- Keras train steps: uneven-batch weights, BatchNorm sync, gradient accumulation --------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        model = _keras_train_step_model(fn) if len(self.worker_devices) > 1 else None
-        weights = self._replica_weights(args) if model is not None else None
-        if weights is None:
-            return super()._call_for_each_replica(fn, args, kwargs)
-        previous, self._grad_ctx = self._grad_ctx, _GradientContext(model, weights)
+        model = _keras_train_step_model(fn)
+        if model is None:
+            return self._run_replicas(fn, args, kwargs)
+        self._tfdp_reduce.densify_ok = _linear_in_gradient(getattr(model, "optimizer", None))
+        accumulate = (_accumulation_steps(model) is not None and not tf.executing_eagerly())
+        many = len(self.worker_devices) > 1 or self._num_workers_in_job() > 1
+        weights = self._replica_weights(args) if many else None
+        if not accumulate and weights is None:
+            return self._run_replicas(fn, args, kwargs)
+        if accumulate and weights is not None:
+            _assert_even_split(weights, _accumulation_steps(model))
+        previous = self._grad_ctx, self._tfdp_no_merge
+        # Gradient accumulation: Keras all-reduces inside a tf.cond, where merge_call is refused;
+        # reduce from the replica contexts instead (tfdp.reduce.collective), one reduction per k
+        # micro-steps. Weights are 1 there (asserted above), so the plain sum is exact.
+        self._grad_ctx = None if accumulate else _GradientContext(model, weights)
+        self._tfdp_no_merge = accumulate
         try:
-            result = super()._call_for_each_replica(fn, args, kwargs)
+            result = self._run_replicas(fn, args, kwargs)
         finally:
-            self._grad_ctx = previous
-        self._sync_replica_local_state(model, weights)
+            self._grad_ctx, self._tfdp_no_merge = previous
+        if weights is not None:
+            self._sync_replica_local_state(model, weights)
         return result
+
+    def _run_replicas(self, fn, args, kwargs):
+        return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
+
+    def _num_workers_in_job(self) -> int:
+        return 1
+
+    def _use_merge_call(self):
+        if self._tfdp_no_merge:
+            return False
+        return super()._use_merge_call()
+
+    def _get_cross_device_ops(self, value):
+        if self._tfdp_no_merge:  # (MirroredExtended would switch to its XLA collectives here)
+            return self._tfdp_reduce
+        return super()._get_cross_device_ops(value)
+
+    def _replica_reducer(self):
+        if self._tfdp_replica_reduce is None:
+            from tfdp.reduce.collective import ReplicaAllReduce
+            ops = self._tfdp_reduce
+            self._tfdp_replica_reduce = ReplicaAllReduce(
+                self.worker_devices, self._num_workers_in_job(), ops.bucket_bytes,
+                ops.compression, getattr(ops, "timeout_seconds", 0.0))
+        return self._tfdp_replica_reduce
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        if not self._tfdp_no_merge or tf.executing_eagerly():
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        replica_id = tfp.current_replica_id()
+        flat = tf.nest.flatten(value)
+        reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
+        return tf.nest.pack_sequence_as(value, reduced)
 
     def _sync_replica_local_state(self, model, weights):
         """Average float non-trainable variables with aggregation NONE across replicas.

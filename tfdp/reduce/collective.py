@@ -1,0 +1,201 @@
+"""All-reduce from inside a replica, without ``merge_call``: one collective per replica and bucket.
+
+tfdp's normal reduction (``local.DataParallelReduce``, ``multiworker.MultiWorkerReduce``) sees
+every replica's gradients at once through ``merge_call`` and sums them with a tree of adds. That
+is impossible where ``merge_call`` is refused: inside a ``tf.cond`` branch. Keras 3's own
+``gradient_accumulation_steps=k`` puts the optimizer's all-reduce exactly there (the update branch
+runs every k-th micro-step, the other branch only adds to accumulators), so under tf.distribute it
+crashes ("merge_call called while defining a new graph").
+
+``ReplicaAllReduce`` is the other way of reducing: every replica, from its own replica context,
+packs its values into the same buckets (``packing.plan``; same shapes on every replica, so the
+same plan), optionally compresses them, and launches one ``CollectiveReduceV2`` per bucket over
+all N replicas of the job (the local devices of every worker: TF's collective runtime sums within
+the process and across workers). No replica waits for another in Python, so the collectives may
+sit in any control flow that every replica takes alike: in Keras's accumulation ``tf.cond`` they
+run on update steps only, one reduction per k micro-steps.
+
+Instance keys are call-time values shared by the replicas: replica r's c-th collective in a traced
+function uses the same key as every other replica's c-th collective (and every worker's, as all
+workers trace the same program), and each *call* of the function draws fresh keys, as
+``multiworker._instance_key`` does for the cross-worker stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import tensorflow as tf
+
+from tfdp import devices as devices_lib
+from tfdp.reduce import compression as codec
+from tfdp.reduce import packing
+
+SUM = tf.distribute.ReduceOp.SUM
+MEAN = tf.distribute.ReduceOp.MEAN
+
+# Group keys of replica-context groups: far above TF's own (small, from 1) and above the
+# cross-worker groups of multiworker.py (1 << 24 + local index). One per ReplicaAllReduce, drawn in
+# construction order, which is the same on every worker (same program).
+_GROUP_KEY_BASE = 1 << 26
+_group_keys = itertools.count(0)
+_instance_keys = itertools.count(1)
+_lock = threading.Lock()
+
+_REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
+
+
+def _next_instance_key() -> int:
+    with _lock:
+        return next(_instance_keys)
+
+
+def _instance_key_tensor():
+    with tf.device("CPU:0"):
+        return tf.constant(_next_instance_key(), tf.int32)
+
+
+def _outer_function_graph():
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    return graph
+
+
+class ReplicaAllReduce:
+    """Sum or mean of per-replica values, called by each replica from its replica context.
+
+    Args:
+      devices: this process's replica devices, in local replica order.
+      num_workers: worker processes in the job (each with ``len(devices)`` replicas).
+      bucket_bytes: fusion bucket capacity (None: ``packing.DEFAULT_BUCKET_BYTES``).
+      compression: None, "fp16" or "bf16" (float values travel in that dtype).
+      timeout_seconds: collective timeout, 0 for none.
+    """
+
+    def __init__(self, devices, num_workers: int = 1, bucket_bytes: int | None = None,
+                 compression: str | None = None, timeout_seconds: float = 0.0):
+        self.devices = tuple(devices)
+        self.num_workers = int(num_workers)
+        self.group_size = len(self.devices) * self.num_workers
+        self.bucket_bytes = packing.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.compression = compression
+        self.timeout_seconds = float(timeout_seconds)
+        self.gpu = all(devices_lib.is_gpu(d) for d in self.devices)
+        self.hint = "nccl" if self.gpu else "ring"
+        with _lock:
+            self.group_key = _GROUP_KEY_BASE + next(_group_keys)
+        # One ordering token (a resource) per device, as TF's CollectiveReplicaLauncher: the
+        # collectives of a device then run in program order (NCCL needs the same order on every
+        # device), and CPU collectives among the devices of one process need it to run at all
+        # (measured: without a token, 4 logical CPUs time out waiting for each other).
+        # Create the reducer outside any strategy scope (these are plain variables).
+        with tf.init_scope():
+            self._tokens = []
+            for d in self.devices:
+                with tf.device(d):
+                    self._tokens.append(tf.Variable(0.0, trainable=False,
+                                                    name="tfdp_replica_collective_order"))
+        self._slots = weakref.WeakKeyDictionary()  # graph -> per-replica collective counters
+        # Testing hook: when True (set before the function is traced), every *executed* collective
+        # adds one to ``executed`` (through a py_function), so tests can count reductions per step.
+        self.count_executions = False
+        self.executed = 0
+        self.traced = 0
+
+    def __repr__(self):
+        return (f"ReplicaAllReduce(replicas={self.group_size}, workers={self.num_workers}, "
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+
+    # --- keys --------------------------------------------------------------------------------
+
+    def _instance_key(self, replica_id: int):
+        """The instance key of this replica's next collective in the current trace."""
+        if tf.executing_eagerly():
+            raise RuntimeError("ReplicaAllReduce runs inside tf.function only (replica functions "
+                               "run one after another in eager mode, so collectives would wait "
+                               "for each other forever).")
+        graph = _outer_function_graph()
+        with _lock:
+            counts = self._slots.setdefault(graph, {})
+            slot = counts.get(replica_id, 0)
+            counts[replica_id] = slot + 1
+        with graph.as_default():
+            return graph.capture_call_time_value(
+                _instance_key_tensor, tf.TensorSpec([], tf.int32),
+                key=("tfdp_replica_collective", self.group_key, slot))
+
+    def _tick(self):
+        with _lock:
+            self.executed += 1
+        return tf.constant(0, tf.int32)
+
+    # --- the reduction -----------------------------------------------------------------------
+
+    def all_reduce(self, reduce_op, values, replica_id: int, weight=None):
+        """Reduce this replica's ``values`` (a flat list) with every other replica's.
+
+        Args:
+          reduce_op: SUM or MEAN (MEAN divides by the job's replica count).
+          values: tensors or IndexedSlices (densified: the sum of slices is a dense tensor).
+          replica_id: this replica's local index (the device it runs on is devices[replica_id]).
+          weight: optional scalar multiplying float values first (uneven-batch weights).
+        Returns:
+          The reduced tensors, in order, on this replica's device.
+        """
+        if isinstance(reduce_op, str):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+        self.traced += 1
+        device = self.devices[replica_id]
+        n = self.group_size
+        with tf.device(device):
+            values = [tf.convert_to_tensor(v) for v in values]
+            specs = [(v.dtype, v.shape.num_elements(), v.dtype.size) for v in values]
+            if any(s[1] is None for s in specs):
+                raise ValueError("tfdp replica-context all-reduce needs static shapes; received "
+                                 f"shapes {[v.shape for v in values]}.")
+            results = [None] * len(values)
+            for bucket in packing.plan(specs, self.bucket_bytes):
+                parts = [values[i] for i in bucket.indices]
+                buf = packing.pack(parts) if bucket.fused else parts[0]
+                dtype = buf.dtype
+                floating = dtype.is_floating
+                compress = self.compression if floating else None
+                pre_mean = reduce_op == MEAN and compress is not None
+                factor = None
+                if weight is not None and floating:
+                    factor = tf.cast(weight, dtype)
+                if pre_mean:
+                    factor = (1.0 / n) if factor is None else factor / n
+                if factor is not None:
+                    buf = tf.math.multiply_no_nan(buf, tf.cast(factor, dtype))
+                wire = codec.encode(buf, compress)
+                if wire.dtype not in _REDUCE_DTYPES:
+                    wire = tf.cast(wire, tf.int64 if wire.dtype.is_integer or wire.dtype == tf.bool
+                                   else tf.float32)
+                out = tf.raw_ops.CollectiveReduceV2(
+                    input=wire, group_size=n, group_key=self.group_key,
+                    instance_key=self._instance_key(replica_id),
+                    ordering_token=[self._tokens[replica_id].handle],
+                    merge_op="Add", final_op="Id", communication_hint=self.hint,
+                    timeout_seconds=self.timeout_seconds)
+                if self.count_executions:
+                    with tf.control_dependencies([out]):
+                        tick = tf.py_function(self._tick, [], tf.int32)
+                    with tf.control_dependencies([tick]):
+                        out = tf.identity(out)
+                out = codec.decode(out, dtype)
+                if reduce_op == MEAN and not pre_mean:
+                    out = out / n if floating else tf.cast(
+                        tf.cast(out, tf.float64) / n, dtype)
+                split = (packing.unpack(out, bucket.sizes, [values[i].shape
+                                                             for i in bucket.indices])
+                         if bucket.fused else [out])
+                for i, t in zip(bucket.indices, split):
+                    results[i] = t
+        return results
+
+
+__all__ = ["ReplicaAllReduce"]
