@@ -78,6 +78,7 @@ _instance_lock = threading.Lock()
 # dtypes CollectiveReduceV2 / CollectiveGatherV2 accept (others are cast for the trip).
 _REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
 _GATHER_DTYPES = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
+COMPRESSED_BUCKET_BYTES = 64 * 1024 * 1024  # bucket cap when gradients are compressed
 _RING_SUBDIVS = 16  # measured: 2 workers, 64 MB float32 on loopback: 610 ms -> 267 ms (DESIGN.md)
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -211,6 +212,46 @@ def peer_failure_message(error, cluster, heartbeat_timeout=None, collective_time
     return None
 
 
+_SHAPE_MISMATCH = re.compile(r"expected shape (\[[^\]]*\]) but another member in the group "
+                             r"expected shape (\[[^\]]*\])")
+_TYPE_MISMATCH = re.compile(r"Collective instance \d+ expected type \d+ and data_type (\d+) but "
+                            r"got type \d+ and data_type (\d+)")
+
+
+def _dtype_name(enum: str) -> str:
+    try:
+        return tf.dtypes.as_dtype(int(enum)).name
+    except (TypeError, ValueError):
+        return f"dtype #{enum}"
+
+
+def model_mismatch_message(error, variable, num_workers):
+    """One clear line for TF's collective shape/dtype mismatch at variable creation, else None.
+
+    Worker 0 broadcasts each initial value in creation order; a worker whose model differs makes
+    the broadcast of some variable meet another shape (same variable, other shape) or another
+    variable entirely (one model has more variables: the next broadcast, e.g. the optimizer's
+    int64 counter, meets a float kernel). TF reports either deep in a collective error.
+    """
+    text = str(error)
+    m = _SHAPE_MISMATCH.search(text)
+    if m is not None and "Shape mismatch in the collective" in text:
+        what = f"variable {variable!r} has shape {m.group(1)} here but {m.group(2)} on another worker"
+        received = f"{variable}.shape={m.group(1)} vs {m.group(2)}"
+    else:
+        m = _TYPE_MISMATCH.search(text)
+        if m is None:
+            return None
+        a, b = _dtype_name(m.group(1)), _dtype_name(m.group(2))
+        what = (f"the broadcast of variable {variable!r} met a variable of another dtype on another "
+                "worker (the models have different variables)")
+        received = f"dtypes {a} vs {b} at variable {variable!r}"
+    return (f"The model differs between workers: {what} (worker 0 broadcasts every initial value "
+            f"to the {num_workers} workers, in creation order). Received: {received}. Fix: build "
+            "the same model (same layers, shapes and dtypes, created in the same order) on every "
+            "worker; derive nothing in the model from the worker's rank.")
+
+
 class _PeerFailureHook:
     """``sys.excepthook`` wrapper: after the usual traceback of an uncaught error caused by a
     lost peer, print one ``PEER_FAILURE_MARK`` line naming it. Installed once per process by the
@@ -302,12 +343,17 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
       fallback: TF's ``CollectiveAllReduce`` over the same devices, used for ``gather``.
       timeout_seconds: collective timeout (0: none); an expired collective raises
         DeadlineExceededError instead of waiting for a peer forever.
+      sparse: IndexedSlices: "auto", "gather" or "densify" (``tfdp.reduce.sparse``); None reads
+        ``TFDP_SPARSE`` (default "auto").
     """
 
     def __init__(self, devices, num_workers: int, algorithm: str = "fused",
                  bucket_bytes: int | None = None, compression: str | None = None, *,
-                 fallback=None, timeout_seconds: float = 0.0):
+                 fallback=None, timeout_seconds: float = 0.0, sparse: str | None = None):
         super().__init__()
+        from tfdp.reduce import sparse as sparse_lib
+        self.sparse = sparse_lib.resolve_mode(sparse)
+        self.densify_ok = False  # set per Keras train step (strategy._DataParallelExtended)
         self.devices = tuple(devices)
         self.num_workers = int(num_workers)
         self.algorithm = algorithm
@@ -453,7 +499,14 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         for i in dense:
             t = comps_of[i][0]
             specs.append((t.dtype, t.shape.num_elements(), t.dtype.size))
-        plan = packing.plan(specs, self.bucket_bytes)
+        cap = self.bucket_bytes
+        if self.compression is not None and cap > 0:
+            # Compressed: every collective has a fixed cost (~5 ms on loopback) that casting does
+            # not shrink, so pack even large tensors into few big collectives (measured, 2 workers,
+            # 64 MB in 32 tensors: fp16 1.17-1.61x over uncompressed one per tensor, 1.31-1.69x
+            # packed; README "Compression").
+            cap = max(cap, COMPRESSED_BUCKET_BYTES)
+        plan = packing.plan(specs, cap)
         self.last_plan = plan
         for bucket in plan:
             idx = [dense[j] for j in bucket.indices]
@@ -468,15 +521,18 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
             for r, d in enumerate(devices):
                 with tf.device(d):
                     comps = [comps_of[i][r] for i in idx]
-                    buf = packing.pack(comps) if bucket.fused else tf.identity(comps[0])
                     factor = None
                     if weights is not None and floating:
                         factor = tf.cast(weights[r], dtype)
                     if pre_mean:
                         factor = (1.0 / n_global) if factor is None else factor / n_global
                     if factor is not None:  # 0 * NaN = 0: an empty replica adds nothing
-                        buf = tf.math.multiply_no_nan(buf, tf.cast(factor, dtype))
-                    bufs.append(codec.encode(buf, compress))
+                        comps = [tf.math.multiply_no_nan(c, tf.cast(factor, dtype))
+                                 for c in comps]
+                    if compress is not None:  # cast first: the packing copy moves half the bytes
+                        comps = [codec.encode(c, compress) for c in comps]
+                    buf = packing.pack(comps) if bucket.fused else tf.identity(comps[0])
+                    bufs.append(buf)
             post = (1.0 / n_global) if (reduce_op == MEAN and not pre_mean) else None
 
             def finish(t, index, dtype=dtype, post=post):
@@ -531,27 +587,17 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         return out
 
     def _all_gather_slices(self, comps, weights, reduce_op):
-        """Sum of IndexedSlices = concatenation: local replicas, then workers (in rank order)."""
-        devices = self.devices
-        with tf.device(devices[0]):
-            vals = []
-            for r, s in enumerate(comps):
-                v = s.values
-                if weights is not None and v.dtype.is_floating:
-                    v = tf.math.multiply_no_nan(v, tf.cast(weights[r], v.dtype))
-                vals.append(v)
-            values = tf.concat(vals, 0)
-            indices = tf.concat([s.indices for s in comps], 0)
-            values = self.cross_worker_gather_ragged(values, 0)
-            indices = self.cross_worker_gather_ragged(indices, 0)
-            if reduce_op == MEAN:
-                values = _scale(values, 1.0 / self.num_replicas)
-            dense_shape = comps[0].dense_shape
-        per_dev = []
-        for d in devices:
-            with tf.device(d):
-                per_dev.append(tf.IndexedSlices(tf.identity(values), tf.identity(indices),
-                                                dense_shape))
+        """IndexedSlices over every replica of every worker: all-gathered (local replicas, then
+        workers, in rank order) or densified and summed, by ``tfdp.reduce.sparse``'s rule
+        (``TFDP_SPARSE``: auto | gather | densify)."""
+        from tfdp.reduce import sparse as sparse_lib
+        per_dev = sparse_lib.reduce_across_workers(
+            comps, weights, self.devices, self.num_workers,
+            self.sparse,
+            gather=lambda t: self.cross_worker_gather(t, 0),
+            sum_dense=lambda t: self.cross_worker_sum(t, 0),
+            scale=(1.0 / self.num_replicas) if reduce_op == MEAN else None,
+            densify_ok=self.densify_ok)
         return tfp.mirrored(per_dev)
 
 
@@ -567,9 +613,12 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
     """
 
     def __init__(self, container_strategy, cluster_resolver, local_devices, algorithm,
-                 bucket_bytes, compression, timeout_seconds, heartbeat_timeout=None):
+                 bucket_bytes, compression, timeout_seconds, heartbeat_timeout=None,
+                 sparse=None):
         self._tfdp_requested_devices = local_devices
         self._grad_ctx = None
+        self._tfdp_no_merge = False
+        self._tfdp_replica_reduce = None
         if heartbeat_timeout:
             # TF's Python health-check thread, used only where no coordination service runs:
             # a peer is declared down after about interval + retries * timeout.
@@ -590,8 +639,20 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
         self._tf_collective_ops = self._cross_device_ops
         self._tfdp_reduce = MultiWorkerReduce(
             devs, self._num_workers, choice.algorithm, bucket_bytes, compression,
-            fallback=self._tf_collective_ops, timeout_seconds=timeout_seconds)
+            fallback=self._tf_collective_ops, timeout_seconds=timeout_seconds, sparse=sparse)
         self._cross_device_ops = self._tfdp_reduce
+        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
+
+    def _create_variable(self, next_creator, **kwargs):
+        # Worker 0 broadcasts each initial value; a worker whose model differs (another shape
+        # for the same variable) makes TF fail deep in a collective error: say what and where.
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:
+            message = model_mismatch_message(e, kwargs.get("name"), self._num_workers)
+            if message is None:
+                raise
+            raise TfdpError(message) from None
 
     # local devices: every GPU, else every logical CPU device of this worker
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -609,26 +670,19 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
         return (tuple(f"{worker_device}/device:CPU:{i}" for i in range(_local_cpu_count())),
                 "CPU")
 
-    # tfdp's reduction needs all local values at once: always go through merge_call.
+    # tfdp's reduction needs all local values at once: go through merge_call, except in the
+    # replica-context path of gradient accumulation (strategy._DataParallelExtended).
     def _use_merge_call(self):
-        return True
+        return not self._tfdp_no_merge
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        if self._tfdp_no_merge and not tf.executing_eagerly():
+            return strategy_lib._DataParallelExtended._replica_ctx_all_reduce(
+                self, reduce_op, value, options)
         return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
 
-    def _call_for_each_replica(self, fn, args, kwargs):
-        model = strategy_lib._keras_train_step_model(fn)
-        weights = self._replica_weights(args) if model is not None else None
-        if weights is None:
-            return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
-        previous = self._grad_ctx
-        self._grad_ctx = strategy_lib._GradientContext(model, weights)
-        try:
-            result = tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
-        finally:
-            self._grad_ctx = previous
-        self._sync_replica_local_state(model, weights)
-        return result
+    def _num_workers_in_job(self) -> int:
+        return self._num_workers
 
     def _replica_weights(self, args):
         """w_r = n_r * N / sum(n), the sum over all N replicas of all workers."""
@@ -721,7 +775,7 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
       devices: this worker's replica devices (``["CPU:0", "CPU:1"]``, ``["GPU:0"]``); None
         means every local GPU, else the logical CPU devices (``TFDP_CPU_REPLICAS`` /
         ``tfdp.configure_cpu_replicas``), else CPU:0. Every worker must have as many.
-      all_reduce, bucket_bytes, compression: as for ``tfdp.DataParallelStrategy``; the
+      all_reduce, bucket_bytes, compression, sparse: as for ``tfdp.DataParallelStrategy``; the
         algorithm names the local stage ("ring": reduce-scatter + one cross-worker collective
         per device; others: tree to one device + one cross-worker collective).
       collective_timeout: seconds after which a cross-worker collective that is still waiting
@@ -739,7 +793,9 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
     def __init__(self, cluster=None, devices=None, *, all_reduce: str = "auto",
                  bucket_bytes: int | None = None, compression: str | None = None,
                  collective_timeout: float | None = None,
-                 heartbeat_timeout: float | None = None):
+                 heartbeat_timeout: float | None = None, sparse: str | None = None):
+        from tfdp.reduce import sparse as sparse_lib
+        sparse = sparse_lib.resolve_mode(sparse)
         algorithm = registry.validate_algorithm(all_reduce)
         compression = registry.validate_compression(compression)
         bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
@@ -769,7 +825,7 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
         _PeerFailureHook.install(cluster, heartbeat_timeout, collective_timeout)
         extended = _MultiWorkerExtended(self, cluster.to_resolver(), devices, algorithm,
                                         bucket_bytes, compression, collective_timeout or 0.0,
-                                        heartbeat_timeout)
+                                        heartbeat_timeout, sparse)
         tf.distribute.Strategy.__init__(self, extended)  # MWMS.__init__ minus its extended
         _check_local_devices(extended.worker_devices, devices)
         self._check_same_replica_count()

@@ -12,8 +12,9 @@ exist. The reduction of one bucket is one of:
 * ``one_device``: everything summed on the first device, then broadcast;
 * ``nccl``: TF's NCCL all-reduce (``_tf_private.nccl_all_sum``) on GPUs.
 
-IndexedSlices (embedding gradients) are reduced by all-gathering (indices, values), as a sum of
-IndexedSlices is their concatenation.
+IndexedSlices (embedding gradients) are all-gathered as (indices, values) (a sum of IndexedSlices
+is their concatenation) or densified and reduced as a dense tensor, by the measured rule of
+``tfdp.reduce.sparse`` (``sparse=`` / ``TFDP_SPARSE``: "auto", "gather" or "densify").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import tensorflow as tf
 from tfdp import _tf_private as tfp
 from tfdp.reduce import compression as codec
 from tfdp.reduce import packing
+from tfdp.reduce import sparse as sparse_lib
 from tfdp.reduce.registry import ALGORITHMS, validate_bucket_bytes, validate_compression
 
 log = logging.getLogger("tfdp")
@@ -134,10 +136,19 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
       bucket_bytes: capacity of a fused bucket; tensors this large or larger are reduced alone;
         0 disables fusion; None takes ``packing.DEFAULT_BUCKET_BYTES``.
       compression: None, "fp16" or "bf16": float gradients travel in that dtype.
+      sparse: how IndexedSlices are reduced: "auto" (the measured rule of
+        ``tfdp.reduce.sparse``), "gather" or "densify"; None reads ``TFDP_SPARSE`` (default
+        "auto"). Settable later through the ``sparse`` attribute (validated).
+
+    Attributes:
+      densify_ok: set True when every sparse gradient's consumer is linear in the gradient
+        (SGD, momentum SGD): only then may "auto" densify (see ``tfdp.reduce.sparse``:
+        Keras's Adam/Adagrad/RMSprop treat duplicate rows of an IndexedSlices differently from a
+        dense gradient). Default False: "auto" gathers.
     """
 
     def __init__(self, algorithm: str = "fused", bucket_bytes: int | None = None,
-                 compression: str | None = None):
+                 compression: str | None = None, sparse: str | None = None):
         super().__init__()
         if algorithm not in _IMPLS:
             from tfdp.errors import invalid_argument
@@ -148,13 +159,25 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
         self.bucket_bytes = packing.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.compression = validate_compression(compression)
         self._impl = _IMPLS[algorithm]
+        self.sparse = sparse
+        self.densify_ok = False
         # Counted when graphs are built (each tf.function trace) - tests and stats read them.
         self.traced_batch_reductions = 0
         self.last_plan: list[packing.Bucket] = []
 
+    @property
+    def sparse(self) -> str:
+        """How IndexedSlices are reduced: "auto", "gather" or "densify" (tfdp.reduce.sparse)."""
+        return self._sparse
+
+    @sparse.setter
+    def sparse(self, value):
+        self._sparse = sparse_lib.resolve_mode(value)
+
     def __repr__(self):
         return (f"DataParallelReduce(algorithm={self.algorithm!r}, "
-                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}, "
+                f"sparse={self.sparse!r})")
 
     # --- tf.distribute.CrossDeviceOps contract -------------------------------------------------
 
@@ -220,18 +243,11 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
         sparse = [i for i, v in enumerate(values) if isinstance(v.values[0], tf.IndexedSlices)]
 
         for i in sparse:
-            comps = list(values[i].values)
-            with tf.device(devices[0]):
-                total = _gather_slices(comps, weights)
-                if reduce_op == MEAN:
-                    total = tf.IndexedSlices(_scale(total.values, 1.0 / n), total.indices,
-                                             total.dense_shape)
-            per_dev = []
-            for d in devices:
-                with tf.device(d):
-                    per_dev.append(tf.IndexedSlices(tf.identity(total.values),
-                                                    tf.identity(total.indices),
-                                                    total.dense_shape))
+            per_dev = sparse_lib.reduce_local(
+                list(values[i].values), weights, devices, self.sparse,
+                scale=(1.0 / n) if reduce_op == MEAN else None,
+                dense_reduce=self._dense_sum(devices) if self.algorithm == "nccl" else None,
+                densify_ok=self.densify_ok)
             results[i] = tfp.mirrored(per_dev)
 
         specs = []
@@ -278,6 +294,12 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
             for k, i in enumerate(idx):
                 results[i] = tfp.mirrored(per_value[k])
         return results
+
+    def _dense_sum(self, devices):
+        """Per-device dense tensors -> their sum on every device, by this reducer's algorithm."""
+        def reduce(bufs):
+            return self._impl(bufs, devices, lambda t: t)
+        return reduce
 
 
 def _gather_slices(comps, weights):
