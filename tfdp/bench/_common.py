@@ -96,3 +96,52 @@ def configure_replicas(cpu_replicas: int) -> list[str]:
     from tfdp.devices import configure_cpu_replicas
     names = configure_cpu_replicas(cpu_replicas)
     return [devices_lib.canonical(n) for n in names]
+
+
+def busbw_factor(n: int) -> float:
+    """nccl-tests' all-reduce bus-bandwidth factor: busbw = algbw * 2(n-1)/n."""
+    return 2 * (n - 1) / n
+
+
+def iters_for(seconds: float, target: float = 0.02, max_iters: int = 50) -> int:
+    """Repetitions per timed sample so that one sample lasts about ``target`` seconds."""
+    import math
+    return max(1, min(max_iters, math.ceil(target / max(seconds, 1e-9))))
+
+
+class MemoryReference:
+    """The memory-bandwidth reference: ``np.add(a, b, out=c)`` over float32 buffers of N bytes.
+
+    One thread; it reads 2N and writes N bytes, the local work of a 2-way reduction with no
+    transport at all. ``step()`` runs it once; ``traffic_bytes`` is 3N.
+    """
+
+    def __init__(self, nbytes: int):
+        import numpy as np
+        n = max(1, nbytes // 4)
+        rng = np.random.default_rng(0)
+        self.a = rng.random(n, dtype=np.float32)
+        self.b = rng.random(n, dtype=np.float32)
+        self.c = np.empty_like(self.a)
+        self.nbytes = n * 4
+        self.traffic_bytes = 3 * self.nbytes
+
+    def step(self):
+        import numpy as np
+        np.add(self.a, self.b, out=self.c)
+        return self.c
+
+
+def time_samples(step, repeats: int, target: float = 0.02, max_iters: int = 50) -> tuple:
+    """(seconds per call for each of ``repeats`` samples, iterations per sample); one warm call."""
+    import time
+    t0 = time.perf_counter()
+    step()
+    n = iters_for(time.perf_counter() - t0, target, max_iters)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        samples.append((time.perf_counter() - t0) / n)
+    return samples, n

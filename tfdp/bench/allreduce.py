@@ -7,10 +7,14 @@ Each contender is a strategy over the same K logical CPU devices and one ``tf.fu
 
 where ``per_replica_grads`` are random float32 tensors created once on each replica's device (the
 same tensors for every contender). Contenders: ``DataParallelStrategy`` for each requested
-algorithm and bucket size; ``MirroredStrategy`` with its default cross-device ops (on CPUs TF 2.21
-picks ``CollectiveAllReduce`` with RING collectives) and with ``ReductionToOneDevice``; and a
-numpy reference, the K-way ``np.add`` of the same arrays into a preallocated output (one thread,
-no broadcast: a memory-bound floor, not an all-reduce).
+algorithm, bucket size and compression; ``MirroredStrategy`` with its default cross-device ops
+(on CPUs TF 2.21 picks ``CollectiveAllReduce`` with RING collectives) and with
+``ReductionToOneDevice``; and two references: numpy's K-way ``np.add`` of the same arrays into a
+preallocated output (one thread, no broadcast: a memory-bound floor, not an all-reduce) and the
+memory-bandwidth reference, one ``np.add`` of two buffers of the workload's size into a third.
+
+``--workers N`` (:mod:`tfdp.bench.workers`) runs the same measurement across N local worker
+processes instead, against MultiWorkerMirroredStrategy.
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` with ``bytes`` one replica's gradients,
 ``busbw = algbw * 2 (K-1) / K``.
@@ -29,12 +33,18 @@ from tfdp.errors import TfdpError
 MODELS = ("resnet50", "mlp", "sizes")
 BENCH_ALGORITHMS = ("fused", "ring", "one_device")  # nccl needs GPUs; this bench uses CPU replicas
 DEFAULT_ALGORITHMS = BENCH_ALGORITHMS
+COMPRESSIONS = ("none", "fp16", "bf16")
+# |result - float32 sum| allowed per element, per compression, times the number of replicas
+# (inputs are uniform in [-1, 1]; fp16 keeps 11 significant bits, bf16 8).
+CHECK_TOLERANCE = {None: 1e-4, "fp16": 4e-3, "bf16": 3e-2}
+MEMORY_NAME = "memory (np.add, 1 thread)"
 DEFAULT_SIZES = ("1K", "16K", "256K", "4M", "64M")
 DEFAULT_REPEATS = 15
 # Each timed sample repeats a contender's step until it lasts about this long (at most MAX_ITERS
 # times), so that microsecond-scale steps are not lost in timer and Python noise.
 TARGET_SAMPLE_S = 0.02
 MAX_ITERS = 50
+_START = [0.0]  # run_allreduce's start, for the elapsed time in progress lines
 
 
 # --- workloads -----------------------------------------------------------------------------------
@@ -96,6 +106,9 @@ class _Contender:
         """A zero-argument callable running one all-reduce of ``per_device`` (list per replica)."""
         if self.kind == "numpy":
             return _numpy_step(per_device)
+        if self.kind == "memory":
+            nbytes = 4 * sum(int(t.shape.num_elements()) for t in per_device[0])
+            return _common.MemoryReference(nbytes).step
         import tensorflow as tf
         strategy = self.strategy
         values = strategy.experimental_distribute_values_from_function(
@@ -148,7 +161,36 @@ def describe_cross_device_ops(strategy) -> str:
     return f"{name}({impl.name})" if impl is not None and hasattr(impl, "name") else name
 
 
-def build_contenders(devices, algorithms, bucket_bytes_list) -> tuple[list, str]:
+def normalize_compressions(compressions) -> list:
+    """"none,fp16" / ["none", "fp16"] / [None] -> [None, "fp16"] (validated, deduplicated)."""
+    if compressions is None or isinstance(compressions, str):
+        compressions = [c.strip() for c in (compressions or "none").split(",") if c.strip()]
+    out = []
+    for c in compressions:
+        name = None if c is None else str(c).lower()
+        if name == "none":
+            name = None
+        if name is not None and name not in COMPRESSIONS:
+            raise TfdpError(f"Invalid compression. Received: compression={c!r}. Valid: "
+                            f"{', '.join(COMPRESSIONS)}.")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise TfdpError(f"Invalid compression. Received: compression={compressions!r}. Valid: "
+                        f"{', '.join(COMPRESSIONS)}.")
+    return out
+
+
+def tfdp_name(algorithm, bucket_bytes=None, compression=None, show_bucket=True) -> str:
+    """'tfdp fused b=1M', 'tfdp fused b=1M fp16', 'tfdp ring fp16' (show_bucket=False)."""
+    name = f"tfdp {algorithm}"
+    if show_bucket:
+        name += f" b={_common.fmt_bytes(bucket_bytes) if bucket_bytes else 0}"
+    return name + (f" {compression}" if compression else "")
+
+
+def build_contenders(devices, algorithms, bucket_bytes_list,
+                     compressions=(None,)) -> tuple[list, str]:
     """The contenders (tfdp ones first) and the description of MirroredStrategy's default."""
     import tensorflow as tf
 
@@ -156,10 +198,13 @@ def build_contenders(devices, algorithms, bucket_bytes_list) -> tuple[list, str]
     contenders = []
     for alg in algorithms:
         for bb in bucket_bytes_list:
-            s = DataParallelStrategy(devices, all_reduce=alg, bucket_bytes=bb)
-            contenders.append(_Contender(
-                f"tfdp {alg} b={_common.fmt_bytes(s.bucket_bytes) if s.bucket_bytes else 0}",
-                "tfdp", s, algorithm=s.all_reduce, bucket_bytes=s.bucket_bytes))
+            for comp in compressions:
+                s = DataParallelStrategy(devices, all_reduce=alg, bucket_bytes=bb,
+                                         compression=comp)
+                contenders.append(_Contender(
+                    tfdp_name(alg, s.bucket_bytes, s.compression), "tfdp", s,
+                    algorithm=s.all_reduce, bucket_bytes=s.bucket_bytes,
+                    compression=s.compression))
     ms = tf.distribute.MirroredStrategy(devices)
     default_desc = describe_cross_device_ops(ms)
     contenders.append(_Contender(f"MS {default_desc}", "mirrored", ms,
@@ -171,6 +216,9 @@ def build_contenders(devices, algorithms, bucket_bytes_list) -> tuple[list, str]
     contenders.append(_Contender(f"numpy {len(devices)}-way sum", "numpy",
                                  note="np.add into a preallocated output; one thread, no "
                                       "broadcast; memory-bound floor"))
+    contenders.append(_Contender(MEMORY_NAME, "memory",
+                                 note="np.add(a, b, out=c) over float32 buffers of the "
+                                      "workload's size: the memory-bandwidth reference"))
     return contenders, default_desc
 
 
@@ -204,11 +252,14 @@ def _quiet_retracing_warning():
         logger.setLevel(level)
 
 
-def _check(contender, out, expected, workload_name):
+def _check(contender, out, expected, workload_name, k):
     import numpy as np
+    if contender.kind == "memory":
+        return
     got = contender.local_results(out)
+    tol = CHECK_TOLERANCE[contender.info.get("compression")] * max(1, k)
     for idx in expected:
-        if not np.allclose(got[idx], expected[idx], rtol=1e-4, atol=1e-4):
+        if not np.allclose(got[idx], expected[idx], rtol=tol, atol=tol):
             raise TfdpError(
                 f"Wrong all-reduce result. Received: contender {contender.name!r} on workload "
                 f"{workload_name!r}, tensor {idx}: max error "
@@ -228,7 +279,7 @@ def _measure(workload, contenders, devices, repeats, show_progress):
         step = c.make_step(per_device, devices)
         with _quiet_retracing_warning():
             out = step()  # traces
-        _check(c, out, expected, workload["name"])
+        _check(c, out, expected, workload["name"], len(devices))
         del out
         t0 = time.perf_counter()
         step()
@@ -241,8 +292,8 @@ def _measure(workload, contenders, devices, repeats, show_progress):
     gc_was_enabled = gc.isenabled()
     try:
         for r in range(repeats):
-            _common.progress(f"allreduce {workload['name']}: round {r + 1}/{repeats}",
-                             show_progress)
+            _common.progress(f"[{time.monotonic() - _START[0]:6.1f} s] allreduce "
+                             f"{workload['name']}: round {r + 1}/{repeats}", show_progress)
             gc.collect()
             gc.disable()
             for i in _common.round_order(len(contenders), r):
@@ -266,10 +317,13 @@ def _measure(workload, contenders, devices, repeats, show_progress):
         st = _common.summarize(times)
         algbw = nbytes / st["median"] / 1e9
         results.append({
-            "contender": c.name, "times_s": times, "iters_per_sample": n, "warm_s": w,
-            "median_s": st["median"], "min_s": st["min"], "max_s": st["max"],
-            "mean_s": st["mean"], "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k,
+            "contender": c.name, "kind": c.kind, "times_s": times, "iters_per_sample": n,
+            "warm_s": w, "median_s": st["median"], "min_s": st["min"], "max_s": st["max"],
+            "mean_s": st["mean"], "algbw_gbps": algbw,
+            "busbw_gbps": algbw * _common.busbw_factor(k),
         })
+        if c.kind == "memory":
+            results[-1]["memory_traffic_gbps"] = 3 * nbytes / st["median"] / 1e9
     ms = next(r for r, c in zip(results, contenders) if c.info.get("default") is True)
     ms1 = next(r for r, c in zip(results, contenders) if c.info.get("default") is False)
     for res in results:
@@ -284,7 +338,8 @@ def _measure(workload, contenders, devices, repeats, show_progress):
 
 def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
                   algorithms=DEFAULT_ALGORITHMS, bucket_bytes=(None,),
-                  repeats: int = DEFAULT_REPEATS, progress: bool = False) -> dict:
+                  repeats: int = DEFAULT_REPEATS, progress: bool = False,
+                  compression=(None,)) -> dict:
     """Benchmark the contenders on ``model``'s gradients; returns all figures as a dict.
 
     Args:
@@ -294,6 +349,8 @@ def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
       sizes: bytes per tensor for "sizes" (ints or strings like "64K"); default DEFAULT_SIZES.
       algorithms: tfdp algorithms to run (each with every ``bucket_bytes``).
       bucket_bytes: tfdp bucket capacities; None is tfdp's default.
+      compression: tfdp compressions to run, from None/"none", "fp16", "bf16" (a list, or a
+        comma-separated string); every algorithm and bucket size runs with each.
       repeats: rounds; each round runs every contender once, alternating the order.
       progress: print "round i/R" lines to stderr.
 
@@ -313,28 +370,41 @@ def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
                         f"Valid: {', '.join(BENCH_ALGORITHMS)}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise TfdpError(f"Invalid repeats. Received: repeats={repeats!r}. Pass an int >= 1.")
+    compressions = normalize_compressions(compression)
+    _START[0] = time.monotonic()
     workloads = workloads_for(model, sizes)
     devices = _common.configure_replicas(cpu_replicas)
-    contenders, ms_desc = build_contenders(devices, list(algorithms), list(bucket_bytes))
+    contenders, ms_desc = build_contenders(devices, list(algorithms), list(bucket_bytes),
+                                           compressions)
     _common.progress(f"MirroredStrategy default cross_device_ops on {cpu_replicas} CPU "
                      f"replicas: {ms_desc}", progress)
     measured = [_measure(w, contenders, devices, repeats, progress) for w in workloads]
     return {
-        "benchmark": "allreduce", "cpu_replicas": cpu_replicas, "devices": devices,
-        "model": model, "repeats": repeats, "mirrored_cross_device_ops": ms_desc,
+        "benchmark": "allreduce", "mode": "local", "cpu_replicas": cpu_replicas,
+        "devices": devices, "model": model, "repeats": repeats,
+        "compression": [c or "none" for c in compressions],
+        "mirrored_cross_device_ops": ms_desc,
         "contenders": [{"name": c.name, "kind": c.kind, **c.info} for c in contenders],
         "workloads": measured, "environment": _common.environment(),
         "notes": {"time": "seconds per all-reduce (median over rounds)",
                   "algbw_gbps": "bytes of one replica's gradients / median time, 1e9 B/s",
                   "busbw_gbps": "algbw * 2 (K-1) / K (nccl-tests)",
                   "ratio_mirrored_over_this": "MirroredStrategy (default) median / this "
-                                              "median: > 1 means faster than MirroredStrategy"},
+                                              "median: > 1 means faster than MirroredStrategy",
+                  "memory": "the memory row times np.add(a, b, out=c) over buffers of the "
+                            "workload's size (memory_traffic_gbps counts the 3x bytes moved)"},
     }
 
 
 # --- output --------------------------------------------------------------------------------------
 
+REFERENCE_KINDS = ("numpy", "memory", "tcp")
+
+
 def format_allreduce(result: dict) -> str:
+    if result.get("mode") == "workers":
+        from tfdp.bench.workers import format_workers
+        return format_workers(result)
     k = result["cpu_replicas"]
     env = result["environment"]
     lines = [f"tfdp bench allreduce: model {result['model']}, {k} CPU replicas "
@@ -361,8 +431,19 @@ def format_allreduce(result: dict) -> str:
               "MS/this = MirroredStrategy (default cross_device_ops) median / this median; "
               "> 1: faster than MirroredStrategy.",
               f"busbw = algbw * 2(K-1)/K. The numpy row is a one-thread {k}-way sum with no "
-              "broadcast: a memory-bound reference, not an all-reduce."]
+              "broadcast: a memory-bound reference, not an all-reduce.",
+              _memory_note(result)]
     return "\n".join(lines)
+
+
+def _memory_note(result) -> str:
+    rows = [(w, r) for w in result["workloads"] for r in w["results"] if r["kind"] == "memory"]
+    if not rows:
+        return ""
+    w, r = max(rows, key=lambda wr: wr[0]["bytes"])
+    return (f"The memory row is one np.add(a, b, out=c) of buffers of the row's size (one thread): "
+            f"at {_common.fmt_bytes(w['bytes'])} {r['memory_traffic_gbps']:.2f} GB/s of memory "
+            "traffic (3 bytes moved per byte reduced).")
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -377,22 +458,25 @@ def write_plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    k = result["cpu_replicas"]
+    workers = result.get("mode") == "workers"
+    where = (f"{result['workers']} workers over loopback" if workers
+             else f"{result['cpu_replicas']} CPU replicas")
     if result["model"] == "sizes":
-        names = [c["name"] for c in result["contenders"]]
-        for name in names:
+        kinds = {c["name"]: c["kind"] for c in result["contenders"]}
+        for name in kinds:
             xs, ys = [], []
             for w in result["workloads"]:
-                r = next(r for r in w["results"] if r["contender"] == name)
-                xs.append(w["bytes"])
-                ys.append(r["busbw_gbps"])
-            ax.plot(xs, ys, marker="o", linestyle="--" if name.startswith("numpy") else "-",
-                    label=name)
+                r = next((r for r in w["results"] if r["contender"] == name), None)
+                if r is not None:
+                    xs.append(w["bytes"])
+                    ys.append(r["busbw_gbps"])
+            ax.plot(xs, ys, marker="o", label=name,
+                    linestyle="--" if kinds[name] in REFERENCE_KINDS else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = [w["bytes"] for w in result["workloads"]]
         ax.set_xticks(ticks, [_common.fmt_bytes(t) for t in ticks])
-        ax.set_xlabel("bytes per replica")
+        ax.set_xlabel("bytes per worker" if workers else "bytes per replica")
         ax.set_ylabel("busbw (GB/s)")
         ax.legend(fontsize=8)
     else:
@@ -401,7 +485,7 @@ def write_plot(result: dict, path: str) -> None:
         ax.barh(names, [r["busbw_gbps"] for r in w["results"]])
         ax.invert_yaxis()
         ax.set_xlabel("busbw (GB/s)")
-    ax.set_title(f"all-reduce on {k} CPU replicas ({result['model']})")
+    ax.set_title(f"all-reduce busbw, {where} ({result['model']}); dashed: references")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

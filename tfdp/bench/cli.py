@@ -18,7 +18,7 @@ from tfdp.errors import TfdpError, UsageError
 # equal). Copied because importing tfdp.reduce starts TensorFlow, and usage errors should not.
 ALL_REDUCE_NAMES = ("auto", "fused", "ring", "one_device", "nccl")
 
-USAGE = "usage: tfdp bench {allreduce,fit,workers,input,scaling} [options]   (tfdp bench COMMAND --help for details)"
+USAGE = "usage: tfdp bench {allreduce,fit,workers,input,sparse,scaling} [options]   (tfdp bench COMMAND --help for details)"
 
 HELP = USAGE + """
 
@@ -28,18 +28,21 @@ contender once in alternating order; figures are medians and ratios of medians.
 
 commands:
   allreduce  one replica-context all_reduce of a gradient set (ResNet50's, a deep narrow MLP's,
-             or single tensors of given sizes); median ms, algbw, busbw, MirroredStrategy/tfdp
+             or single tensors of given sizes); median ms, algbw, busbw, MirroredStrategy/tfdp;
+             --workers N: across N local worker processes vs MultiWorkerMirroredStrategy
   fit        Keras model.fit throughput of a deep narrow MLP: tfdp vs MirroredStrategy vs one
              device; median examples/s and the ratio tfdp/MirroredStrategy
-  workers    cross-worker all-reduce over loopback (N local worker jobs): tfdp, tfdp fp16 and
-             MultiWorkerMirroredStrategy, with raw loopback TCP bandwidth; algbw, busbw
+  workers    alias of 'allreduce --workers 2 --sizes 64M --compression none,fp16' (older options)
   input      sharded TFRecord input pipeline examples/s per worker vs training consumption
+  sparse     Embedding-gradient (IndexedSlices) reduction, recommender shape: tfdp gather /
+             densify vs MirroredStrategy; --sweep locates the gather/densify crossover
   scaling    predicted scaling efficiency for 1..1024 devices (alpha-beta ring model); --measure fits it here
 
 examples:
   tfdp bench allreduce --model resnet50 --cpu-replicas 4
   tfdp bench allreduce --sizes 1K,1M,64M --json ar.json --plot busbw.png
   tfdp bench allreduce --model mlp --algorithms fused --bucket-bytes 0,262144,4194304
+  tfdp bench allreduce --workers 2 --sizes 1M,16M,64M --compression none,fp16 --plot w.png
   tfdp bench fit --cpu-replicas 4 --steps 20"""
 
 
@@ -64,30 +67,57 @@ def _common_options(p):
 def build_allreduce_parser():
     from tfdp.bench.allreduce import (BENCH_ALGORITHMS, DEFAULT_ALGORITHMS, DEFAULT_REPEATS,
                                       DEFAULT_SIZES, MODELS)
+    from tfdp.bench.workers import DEFAULT_ALGORITHMS as W_ALGORITHMS
+    from tfdp.bench.workers import DEFAULT_REPEATS as W_REPEATS
+    from tfdp.bench.workers import DEFAULT_ROUNDS, DEFAULT_TIMEOUT
     p = _Parser(prog="tfdp bench allreduce", add_help=False, allow_abbrev=False,
+                usage="tfdp bench allreduce [--cpu-replicas K | --workers N] [--sizes S,...] "
+                      "[--algorithms A,...] [--compression C,...] [--json FILE] "
+                      "[--plot FILE.png] [options]",
                 description="Time one replica-context all_reduce('SUM') of a gradient set under "
-                            "tfdp DataParallelStrategy (each --algorithms x --bucket-bytes), "
-                            "MirroredStrategy (default cross-device ops, and "
-                            "ReductionToOneDevice) and a numpy K-way sum reference.",
-                epilog="MS/this in the table is MirroredStrategy's median / the row's median "
-                       "(> 1: faster than MirroredStrategy). busbw = algbw * 2(K-1)/K as in "
-                       "nccl-tests.")
+                            "tfdp DataParallelStrategy (each --algorithms x --bucket-bytes x "
+                            "--compression), MirroredStrategy (default cross-device ops, and "
+                            "ReductionToOneDevice), a numpy K-way sum and a memory-bandwidth "
+                            "reference (np.add over a buffer of each size). With --workers N: "
+                            "across N local worker processes on 127.0.0.1 (one job per "
+                            "contender), tfdp MultiWorkerDataParallelStrategy vs "
+                            "MultiWorkerMirroredStrategy, with memory and loopback TCP "
+                            "references.",
+                epilog="MS/this (MWMS/this) in the table is MirroredStrategy's "
+                       "(MultiWorkerMirroredStrategy's) median / the row's median (> 1: faster). "
+                       "busbw = algbw * 2(n-1)/n as in nccl-tests, n = replicas or workers.")
     _common_options(p)
+    p.set_defaults(cpu_replicas=None)
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="measure across N >= 2 local worker processes instead of CPU replicas "
+                        "in one process (not with --cpu-replicas)")
+    p.add_argument("--compression", metavar="C,...", default="none",
+                   help="tfdp compressions, from none, fp16, bf16 (default: none)")
     p.add_argument("--model", choices=MODELS, default=None,
                    help="gradient set: resnet50 (214 tensors, 25.6 M floats), mlp (60 Dense(64) "
                         "layers: 120 tensors) or sizes (one tensor per --sizes entry); default: "
                         "resnet50, or sizes when --sizes is given")
     p.add_argument("--sizes", metavar="S,...",
                    help="tensor sizes in bytes for --model sizes, K/M/G suffixes "
-                        f"(default: {','.join(DEFAULT_SIZES)})")
-    p.add_argument("--algorithms", metavar="A,...", default=",".join(DEFAULT_ALGORITHMS),
+                        f"(default: {','.join(DEFAULT_SIZES)}; with --workers: 1M,16M,64M)")
+    p.add_argument("--algorithms", metavar="A,...", default=None,
                    help=f"tfdp algorithms, from {', '.join(BENCH_ALGORITHMS)} "
-                        f"(default: {','.join(DEFAULT_ALGORITHMS)})")
+                        f"(default: {','.join(DEFAULT_ALGORITHMS)}; with --workers: "
+                        f"{','.join(W_ALGORITHMS)}, since one replica per worker leaves the "
+                        "local stage nothing to do)")
     p.add_argument("--bucket-bytes", metavar="B,...",
                    help="tfdp bucket capacities in bytes (K/M suffixes ok; 0 = no fusion); one "
                         "tfdp contender per algorithm and size (default: tfdp's default)")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="R",
-                   help=f"rounds (default: {DEFAULT_REPEATS})")
+    p.add_argument("--repeats", type=int, default=None, metavar="R",
+                   help=f"rounds (default: {DEFAULT_REPEATS}); with --workers: timed samples "
+                        f"per size in each job (default: {W_REPEATS})")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
+                   help=f"--workers only: every job runs once per round, in alternating order "
+                        f"(default: {DEFAULT_ROUNDS})")
+    p.add_argument("--tensors", type=int, default=1, metavar="T",
+                   help="--workers only: split each size into T float32 tensors (default: 1)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"--workers only: hard limit per job (default: {DEFAULT_TIMEOUT:g})")
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a PNG (matplotlib): busbw vs size for --model sizes, else busbw "
                         "per contender")
@@ -129,13 +159,42 @@ def _split(text):
 
 def _parse_allreduce(argv):
     from tfdp.bench import _common
-    from tfdp.bench.allreduce import BENCH_ALGORITHMS
+    from tfdp.bench.allreduce import BENCH_ALGORITHMS, DEFAULT_REPEATS
+    from tfdp.bench.allreduce import COMPRESSIONS, DEFAULT_ALGORITHMS
+    from tfdp.bench.workers import DEFAULT_ALGORITHMS as W_ALGORITHMS
+    from tfdp.bench.workers import DEFAULT_REPEATS as W_REPEATS
     p = build_allreduce_parser()
     args = p.parse_args(argv)
     if args.help:
         return p, args
-    _positive("--cpu-replicas", args.cpu_replicas)
+    if args.workers is not None and args.cpu_replicas is not None:
+        raise UsageError(f"--cpu-replicas and --workers are mutually exclusive. Received: "
+                         f"--cpu-replicas {args.cpu_replicas} --workers {args.workers}. Give "
+                         "one: K replicas in one process, or N worker processes.")
+    if args.workers is not None:
+        _positive("--workers", args.workers, minimum=2)
+        if args.model not in (None, "sizes"):
+            raise UsageError(f"--workers measures --sizes only. Received: --model {args.model} "
+                             f"--workers {args.workers}. Drop --model.")
+        if args.sizes is None:
+            args.sizes = "1M,16M,64M"
+        for name in ("rounds", "tensors"):
+            _positive("--" + name, getattr(args, name))
+        if not args.timeout > 0:
+            raise UsageError(f"Invalid --timeout. Received: --timeout {args.timeout:g}. Give a "
+                             "positive number of seconds.")
+    else:
+        if args.cpu_replicas is None:
+            args.cpu_replicas = 4
+        _positive("--cpu-replicas", args.cpu_replicas)
+    if args.repeats is None:
+        args.repeats = W_REPEATS if args.workers is not None else DEFAULT_REPEATS
     _positive("--repeats", args.repeats)
+    compressions = [c.lower() for c in _split(args.compression)]
+    if not compressions or any(c not in COMPRESSIONS for c in compressions):
+        raise UsageError(f"Invalid --compression. Received: --compression {args.compression}. "
+                         f"Valid: {', '.join(COMPRESSIONS)} (comma-separated).")
+    args.compression = list(dict.fromkeys(compressions))
     if args.model is None:
         args.model = "sizes" if args.sizes else "resnet50"
     if args.sizes is not None and args.model != "sizes":
@@ -147,6 +206,9 @@ def _parse_allreduce(argv):
             raise UsageError(f"Invalid --sizes. Received: --sizes {args.sizes}. Give sizes of "
                              "at least 4 bytes (one float32), e.g. 1K,1M,64M.")
         args.sizes = sizes
+    if args.algorithms is None:
+        args.algorithms = ",".join(W_ALGORITHMS if args.workers is not None
+                                   else DEFAULT_ALGORITHMS)
     algorithms = [a.lower() for a in _split(args.algorithms)]
     bad = [a for a in algorithms if a not in BENCH_ALGORITHMS]
     if bad or not algorithms:
@@ -229,10 +291,18 @@ def main(argv: list[str]) -> int:
             parser.print_help()
             return 0
         from tfdp.bench.allreduce import format_allreduce, run_allreduce, write_plot
-        result = run_allreduce(cpu_replicas=args.cpu_replicas, model=args.model,
-                               sizes=args.sizes, algorithms=args.algorithms,
-                               bucket_bytes=args.bucket_bytes, repeats=args.repeats,
-                               progress=not args.quiet)
+        if args.workers is not None:
+            from tfdp.bench.workers import run_allreduce_workers
+            result = run_allreduce_workers(
+                workers=args.workers, sizes=args.sizes, algorithms=args.algorithms,
+                bucket_bytes=args.bucket_bytes, compression=args.compression,
+                repeats=args.repeats, rounds=args.rounds, tensors=args.tensors,
+                timeout=args.timeout, progress=not args.quiet)
+        else:
+            result = run_allreduce(cpu_replicas=args.cpu_replicas, model=args.model,
+                                   sizes=args.sizes, algorithms=args.algorithms,
+                                   bucket_bytes=args.bucket_bytes, repeats=args.repeats,
+                                   compression=args.compression, progress=not args.quiet)
         print(format_allreduce(result), flush=True)
         if args.json:
             _write_json(args.json, result)
@@ -255,6 +325,9 @@ def main(argv: list[str]) -> int:
     if cmd == "scaling":
         from tfdp.bench.scaling import main as scaling_main
         return scaling_main(rest)
+    if cmd == "sparse":
+        from tfdp.bench.sparse import main as sparse_main
+        return sparse_main(rest)
     if cmd == "workers":
         from tfdp.bench.workers import main as workers_main
         return workers_main(rest)
@@ -270,5 +343,5 @@ def main(argv: list[str]) -> int:
         print(format_input_bench(run_input_bench()), flush=True)
         return 0
     raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit, "
-                     "workers, input, scaling. "
+                     "workers, input, sparse, scaling. "
                      "Run 'tfdp bench --help' for usage.")
