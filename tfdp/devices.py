@@ -104,6 +104,10 @@ def resolve_devices(devices) -> list[str]:
                  if d.device_type in ("CPU", "GPU")}
     result = []
     for d in devices:
+        if not isinstance(d, str):
+            raise invalid_argument(
+                "devices", devices, what=f"Device {d!r} is not a device name",
+                fix="Device names are strings such as 'GPU:0' or 'CPU:1' (not indices).")
         try:
             c = canonical(str(d))
         except ValueError:

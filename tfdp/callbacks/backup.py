@@ -122,26 +122,75 @@ def _atomic_write(path: str, write) -> None:
         raise
 
 
+def _not_a_directory(backup_dir: str) -> BackupError:
+    """The error for a ``backup_dir`` that is a file, or lies under one."""
+    path = os.path.abspath(backup_dir)
+    if os.path.lexists(path):
+        where = "it is a file" if os.path.exists(path) else "it is a broken symbolic link"
+    else:
+        blocker = os.path.dirname(path)
+        while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        where = f"{blocker!r} on its path is not a directory"
+    return BackupError(f"The backup directory is not a directory ({where}). Received: "
+                       f"backup_dir={backup_dir!r}. Pass the path of a directory (new or "
+                       "empty, or a tfdp backup); the file is left untouched.")
+
+
+def _unreadable(backup_dir: str, e: OSError) -> BackupError:
+    return BackupError(
+        f"The backup directory cannot be read ({type(e).__name__}: {e.strerror or e}). "
+        f"Received: backup_dir={backup_dir!r}. Give this user read, write and search "
+        f"permission (e.g. chmod u+rwx {backup_dir!r}), or pass another directory.")
+
+
+def check_backup_dir(backup_dir: str) -> None:
+    """Cheap construction-time check: ``backup_dir`` is not a file and does not lie under one."""
+    if os.path.lexists(backup_dir):
+        if not os.path.isdir(backup_dir):
+            raise _not_a_directory(backup_dir)
+        return
+    parent = os.path.dirname(os.path.abspath(backup_dir))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise _not_a_directory(backup_dir)
+
+
 def read_sidecar(backup_dir: str) -> dict | None:
     """The validated sidecar of ``backup_dir``, or None when there is no backup yet.
 
     Raises:
-      BackupError: the directory holds something that is not a readable tfdp backup.
+      BackupError: the directory holds something that is not a readable tfdp backup, is not a
+        directory, or cannot be read.
     """
     path = os.path.join(backup_dir, SIDECAR)
-    if not os.path.exists(path):
-        if os.path.isdir(backup_dir):
-            foreign = sorted(n for n in os.listdir(backup_dir)
-                             if not n.startswith(_TMP_PREFIX) and not _STATE_RE.match(n))
-            if foreign:
-                raise BackupError(
-                    f"The backup directory is not a tfdp backup. Received: backup_dir="
-                    f"{backup_dir!r} holding {foreign[:5]} but no {SIDECAR}. Pass an empty or "
-                    "new directory, or one written by tfdp.callbacks.BackupAndRestore (a Keras "
-                    "BackupAndRestore directory cannot be resumed exactly).")
-        elif os.path.exists(backup_dir):
-            raise BackupError(f"The backup directory is not a directory. Received: backup_dir="
-                              f"{backup_dir!r}. Pass a directory path.")
+    try:
+        os.stat(path)
+        has_sidecar = True
+    except (FileNotFoundError, NotADirectoryError):
+        has_sidecar = False
+    except OSError as e:  # PermissionError: the directory cannot be searched
+        raise _unreadable(backup_dir, e) from None
+    if not has_sidecar:
+        if not os.path.lexists(backup_dir):
+            check_backup_dir(backup_dir)  # under a file: say so now, not at the first save
+            return None
+        if not os.path.isdir(backup_dir):
+            raise _not_a_directory(backup_dir)
+        try:
+            names = os.listdir(backup_dir)
+        except OSError as e:
+            raise _unreadable(backup_dir, e) from None
+        foreign = sorted(n for n in names
+                         if not n.startswith(_TMP_PREFIX) and not _STATE_RE.match(n))
+        if foreign:
+            raise BackupError(
+                f"The backup directory is not a tfdp backup. Received: backup_dir="
+                f"{backup_dir!r} holding {foreign[:5]} but no {SIDECAR}. Nothing was changed "
+                "in it. Pass an empty or new directory, or one written by "
+                "tfdp.callbacks.BackupAndRestore (a Keras BackupAndRestore directory cannot be "
+                "resumed exactly).")
         return None
     try:
         with open(path, "rb") as f:
@@ -190,6 +239,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise invalid_argument("backup_dir", backup_dir, fix="Pass a directory path.")
         self.backup_dir = os.fspath(backup_dir)
+        check_backup_dir(self.backup_dir)
         self.save_freq = _check_save_freq(save_freq)
         self.delete_checkpoint = bool(delete_checkpoint)
         self.failed = False          # set by NaNGuard (or you): the backup is never deleted
@@ -265,22 +315,29 @@ class BackupAndRestore(keras.callbacks.Callback):
             log.warning("tfdp BackupAndRestore: NaN/Inf in the variables at global step %d; "
                         "backup skipped (the last good one is kept)", self._global_step)
             return False
-        os.makedirs(self.backup_dir, exist_ok=True)
-        previous = read_sidecar(self.backup_dir)
+        previous = read_sidecar(self.backup_dir)  # before creating anything
         fp = fingerprint(self.model)
         if previous is not None and previous["fingerprint"] != fp:
             raise self._foreign_error(previous, fp)
         state = f"state-{self._global_step}.npz"
         payload = {f"v{i:05d}": a for i, a in enumerate(arrays)}
-        _atomic_write(os.path.join(self.backup_dir, state),
-                      lambda f: np.savez(f, **payload))
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "tfdp_version": __version__,
                 "epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
                 "global_step": self._global_step, "fingerprint": fp, "state": state,
                 "num_model_variables": len(model_vars),
                 "num_optimizer_variables": len(opt_vars)}
-        _atomic_write(os.path.join(self.backup_dir, SIDECAR),
-                      lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            _atomic_write(os.path.join(self.backup_dir, state),
+                          lambda f: np.savez(f, **payload))
+            _atomic_write(os.path.join(self.backup_dir, SIDECAR),
+                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        except OSError as e:
+            raise BackupError(
+                f"Cannot write the backup ({type(e).__name__}: {e.strerror or e}). Received: "
+                f"backup_dir={self.backup_dir!r}. Check that it is writable by this user and "
+                "that the disk has space, or pass another directory; the previous backup (if "
+                "any) is intact.") from None
         self._meta = meta
         self.saves_written += 1
         for name in os.listdir(self.backup_dir):  # older states (never the one just named)
@@ -321,6 +378,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                     raise ValueError(f"{len(keys)} arrays for {len(variables)} variables")
                 values = [f[k] for k in keys]
         except Exception as e:  # noqa: BLE001 - OSError, BadZipFile, ValueError: unreadable
+            if isinstance(e, ValueError) and "pickle" in str(e).lower():
+                # numpy's own message suggests loading it unsafely: never repeat that advice.
+                raise BackupError(
+                    f"The backup's state file holds pickled Python objects, which tfdp never "
+                    f"writes and never loads (unpickling can run arbitrary code). Received: "
+                    f"{path!r}. Refused (loaded with allow_pickle=False): do not load it "
+                    "yourself; restore the directory from a trusted copy, or delete it to "
+                    "start from scratch.") from None
             raise BackupError(
                 f"The backup's state file is unreadable. Received: {path!r} ({type(e).__name__}: "
                 f"{e}). Restore the directory from a copy, or delete it to start from "

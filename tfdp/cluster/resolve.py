@@ -97,7 +97,8 @@ def check_port_free(host: str, port: int) -> None:
                                         f"host={host!r}, port={port}",
                                         "Use an address of this machine and a port you may "
                                         "bind.")) from None
-    raise TfdpError(message(f"Port {port} on {host!r} is already in use",
+    where = "every interface" if bind_host in ("", "0.0.0.0") else repr(host)
+    raise TfdpError(message(f"Port {port} on {where} is already in use",
                             f"host={host!r}, port={port}",
                             "Stop the process holding it (e.g. a worker left from an earlier "
                             "run: `ss -ltnp | grep :%d`) or choose another port." % port))

@@ -99,7 +99,9 @@ def split_address(address, name: str) -> tuple[str, int]:
     if not isinstance(address, str):
         raise _err(name, address, f"{name} must be a \"host:port\" string", fix=fix)
     host, sep, port = address.rpartition(":")
-    if not sep or not host:
+    if not sep:
+        raise _err(name, address, f"{name} has no port", fix=fix)
+    if not host:
         raise _err(name, address, f"{name} must be \"host:port\" with a non-empty host", fix=fix)
     if host.startswith("[") or host.endswith("]"):
         if not _is_ipv6(host[1:-1]) or not (host.startswith("[") and host.endswith("]")):
@@ -115,6 +117,17 @@ def split_address(address, name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _task_type_hint(task_type) -> str | None:
+    """A fix for a near-miss task type name (TF1's "master", wrong case), else None."""
+    if not isinstance(task_type, str):
+        return None
+    if task_type.lower() == "master":
+        return "'master' is TensorFlow 1's name for the chief: use 'chief'."
+    if task_type != task_type.lower() and task_type.lower() in TASK_TYPES:
+        return f"Task types are lower case: use {task_type.lower()!r}."
+    return None
+
+
 def validate_cluster(cluster, where: str) -> dict:
     """Check a ``{"chief": [...], "worker": [...]}`` dict; ``where`` names it in errors.
 
@@ -126,10 +139,11 @@ def validate_cluster(cluster, where: str) -> dict:
     for key in cluster:
         if key not in TASK_TYPES:
             fix = "tfdp does synchronous data parallel training and uses no parameter servers " \
-                  "or evaluators; remove that key." if key in ("ps", "evaluator") else None
+                  "or evaluators; remove that key." if key in ("ps", "evaluator") \
+                else _task_type_hint(key)
             raise _err(f"{where} key", key, f"{where} has an unsupported task type",
                        valid=TASK_TYPES, fix=fix)
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, int], str] = {}
     for key in TASK_TYPES:
         if key not in cluster:
             continue
@@ -141,12 +155,13 @@ def validate_cluster(cluster, where: str) -> dict:
             raise _err(name, addresses, "A cluster has at most one chief",
                        fix='List the others under "worker".')
         for i, address in enumerate(addresses):
-            split_address(address, f"{name}[{i}]")
-            if address in seen:
+            host, port = split_address(address, f"{name}[{i}]")
+            key_ = (host.lower(), port)  # host names are case-insensitive
+            if key_ in seen:
                 raise _err(f"{name}[{i}]", address, "Every host:port in the cluster must be "
-                           f"unique, but this one is also {seen[address]}",
+                           f"unique, but this one is also {seen[key_]}",
                            fix="Give each task its own port (or host).")
-            seen[address] = f"{name}[{i}]"
+            seen[key_] = f"{name}[{i}]"
     return {t: list(cluster[t]) for t in TASK_TYPES if t in cluster}
 
 
@@ -173,7 +188,9 @@ def build_cluster_info(cluster, task_type, task_id, *, source: str, where: str,
     if task_type not in present:
         what = (f"Invalid {type_name}" if task_type not in TASK_TYPES
                 else f"{type_name} names a task type missing from {where}")
-        raise _err(type_name, task_type, what, valid=present)
+        fix = (_task_type_hint(task_type) if task_type not in TASK_TYPES
+               else f'Add a "{task_type}" list to {where}, or use a task type it has.')
+        raise _err(type_name, task_type, what, valid=present, fix=fix)
     count = len(spec[task_type])
     if isinstance(task_id, bool) or not isinstance(task_id, int) or not 0 <= task_id < count:
         raise _err(index_name, task_id, f"Invalid {index_name}",

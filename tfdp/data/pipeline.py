@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp.data import batching, sharding
@@ -43,6 +44,11 @@ def _check_source(source):
         return "dataset"
     if _is_file_list(source) or (isinstance(source, (list, tuple)) and not source):
         return "files"
+    if isinstance(source, (str, bytes, os.PathLike)):
+        raise invalid_argument(
+            "source", source, what="Invalid source: a single path or pattern, not a file list",
+            fix="Pass a list of TFRecord file paths, e.g. "
+                "sorted(tf.io.gfile.glob('data/*.tfrecord')), or a tf.data.Dataset.")
     raise invalid_argument(
         "source", source if not callable(source) else f"<function {source!r}>",
         fix="Pass a tf.data.Dataset (unbatched with global_batch_size=..., or already batched "
@@ -119,6 +125,16 @@ def worker_dataset(source, input_context, *, global_batch_size: int | None = Non
         raise invalid_argument("epochs", epochs, fix="Pass an int >= 1, or None for forever.")
     if shuffle_seed is not None:
         shuffle_lib.check_seed(shuffle_seed)
+    if not isinstance(drop_remainder, (bool, np.bool_)):
+        raise invalid_argument("drop_remainder", drop_remainder, fix="Pass True or False.")
+    if reader is not None and not callable(reader):
+        raise invalid_argument("reader", reader, fix="Pass a function path -> tf.data.Dataset of "
+                               "records (e.g. tf.data.TFRecordDataset), or None for TFRecords.")
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < AUTOTUNE):
+        raise invalid_argument("prefetch", prefetch, fix="Pass an int >= 0 (elements to "
+                               "prefetch; 0 turns prefetching off), tf.data.AUTOTUNE (the "
+                               "default) or None.")
     parse = _parse_callable(parse_fn)
     workers, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
 

@@ -5,8 +5,9 @@ Programmatic use::
     from tfdp.launch import launch
     exit_code = launch([sys.executable, "train.py"], workers=2, cpu_replicas=2)
 
-Only loopback addresses are used: the TensorFlow gRPC server the workers start is
-unauthenticated. Importing this package never imports TensorFlow.
+Only loopback addresses are advertised: the TensorFlow gRPC server the workers start is
+unauthenticated (and listens on every interface of its port: firewall it on shared hosts).
+Importing this package never imports TensorFlow.
 """
 
 from tfdp.launch.launcher import launch, make_tf_configs, validate

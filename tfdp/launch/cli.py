@@ -19,7 +19,8 @@ exit codes: 0 all workers succeeded; the failed worker's code (1..125, else 1); 
 124 --timeout expired; 130/143 stopped by SIGINT/SIGTERM.
 
 security: the TensorFlow gRPC server the workers start is unauthenticated, so tfdp launch only
-binds and advertises loopback addresses; never expose these ports to other machines.
+advertises loopback addresses; TensorFlow's server still listens on every interface of its port,
+so never expose these ports to other machines (firewall them on shared hosts).
 
 example:
   tfdp launch --workers 2 --cpu-replicas 2 -- python train.py --epochs 3"""
@@ -29,7 +30,11 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are :class:`~tfdp.errors.UsageError` (one line, exit 2)."""
 
     def error(self, message):
-        raise UsageError(f"{message[:1].upper()}{message[1:]}. Run 'tfdp launch --help' for usage.")
+        hint = ""
+        if "--nproc" in message:  # torchrun's --nproc-per-node / --nproc_per_node
+            hint = " tfdp launch takes --workers N (torchrun's --nproc-per-node)."
+        raise UsageError(f"{message[:1].upper()}{message[1:]}.{hint} "
+                         "Run 'tfdp launch --help' for usage.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="stop all workers and exit 124 after this many seconds")
     p.add_argument("--host", default="127.0.0.1",
-                   help="loopback address to bind and advertise (default: 127.0.0.1)")
+                   help="loopback address the workers advertise (default: 127.0.0.1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     return p
 

@@ -14,9 +14,11 @@ is one line naming the worker and its address; when the failed worker reported a
 SIGINT/SIGTERM sent to the launcher are forwarded to all workers. Every wait is bounded, so the
 launcher never hangs.
 
-Security: the TensorFlow gRPC server the workers start is unauthenticated and unencrypted, so
-the launcher only binds and advertises loopback addresses (127.0.0.1 by default); anyone who can
-reach a worker's port can run code in it.
+Security: the TensorFlow gRPC server the workers start is unauthenticated and unencrypted:
+anyone who can reach a worker's port can run code in it. The launcher therefore only accepts and
+advertises loopback addresses (127.0.0.1 by default) in ``TF_CONFIG``, so the workers talk over
+loopback only. TensorFlow's server itself listens on every interface of its port (not
+configurable), so on a shared or exposed machine keep those ports behind a firewall.
 
 This module must start instantly: it never imports TensorFlow.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -80,6 +83,14 @@ def validate(cmd: Sequence[str], workers, *, cpu_replicas=None, gpus_per_worker=
 
     env = os.environ if env is None else env
     _check_workers(workers, name("workers"))
+    if isinstance(cmd, (str, bytes)) or not isinstance(cmd, (list, tuple)) \
+            or not all(isinstance(a, (str, os.PathLike)) for a in cmd):
+        raise errors.invalid_argument(
+            "command", cmd, what="The command must be a list of strings", cls=UsageError,
+            fix="Split it into the program and its arguments, e.g. "
+                "[sys.executable, 'train.py', '--epochs', '3'] (shlex.split does it for a "
+                "string).")
+    cmd = [os.fspath(a) for a in cmd]
     if not cmd:
         raise errors.invalid_argument(
             "command", [], what="No command to run", cls=UsageError,
@@ -111,6 +122,12 @@ def validate(cmd: Sequence[str], workers, *, cpu_replicas=None, gpus_per_worker=
         raise errors.invalid_argument(
             "command", program, what="Program not found or not executable", cls=UsageError,
             fix="Check the spelling and PATH, or give the path to an executable file.")
+    script = _python_script(cmd)
+    if script is not None and not os.path.exists(script):
+        raise errors.invalid_argument(
+            "script", script, what="The Python script to run does not exist", cls=UsageError,
+            fix=f"Check the path (relative paths are from the current directory, "
+                f"{os.getcwd()!r}).")
 
 
 def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
@@ -133,7 +150,8 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
         are added to it, and an inherited ``TF_CONFIG`` is dropped when ``workers == 1``.
       stdout, stderr: where prefixed worker output goes (default: ``sys.stdout`` /
         ``sys.stderr`` at call time); launcher messages go to ``stderr``.
-      host: the loopback address the workers advertise and bind (only loopback is allowed).
+      host: the loopback address the workers advertise in ``TF_CONFIG`` (only loopback is
+        allowed).
 
     Returns:
       0 if every worker succeeded; the failed worker's exit code if it is 1..125, else 1;
@@ -344,6 +362,32 @@ def _check_host(host, name) -> None:
             name, host, what="Only loopback hosts are allowed", cls=UsageError,
             fix="Use 127.0.0.1 (the default): the TensorFlow gRPC server the workers start "
                 "is unauthenticated, so it must not be reachable from other machines.")
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?(\.exe)?$")
+_PYTHON_OPTS_WITH_VALUE = ("-W", "-X")
+
+
+def _python_script(cmd: Sequence[str]) -> str | None:
+    """The script a ``python [options] SCRIPT ...`` command runs, or None (not a Python
+    interpreter, or ``-c`` / ``-m`` / ``-`` / ``--help``-like: no script file)."""
+    if not _PYTHON.match(os.path.basename(cmd[0])):
+        return None
+    args = iter(cmd[1:])
+    for arg in args:
+        if arg == "-" or arg.startswith(("-c", "-m", "--")):
+            return None  # -c CODE, -m MODULE, stdin, --help / --version
+        if arg in _PYTHON_OPTS_WITH_VALUE:
+            next(args, None)
+            continue
+        if arg.startswith("-"):
+            if arg[1:2] in ("W", "X"):  # -Wdefault, -Xdev: the value is attached
+                continue
+            if any(c in "cm" for c in arg[1:]):  # e.g. -uc CODE: a combined -c / -m
+                return None
+            continue
+        return arg
+    return None
 
 
 def _visible_gpus(env: Mapping[str, str]) -> list[str]:
