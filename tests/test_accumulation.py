@@ -82,7 +82,8 @@ def test_one_all_reduce_per_k_micro_steps():
     n_grads = len(model.trainable_variables)
     replicas = strategy.num_replicas_in_sync
 
-    model.fit({n: v[: B * (k - 1)] for n, v in x.items()}, y[: B * (k - 1)], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    first = {n: v[: B * (k - 1)] for n, v in x.items()}
+    model.fit(first, y[: B * (k - 1)], batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert reducer.executed == 0  # k-1 micro-steps: accumulate only, nothing crosses devices
 
     reducer.executed = 0

@@ -236,15 +236,16 @@ def model_mismatch_message(error, variable, num_workers):
     text = str(error)
     m = _SHAPE_MISMATCH.search(text)
     if m is not None and "Shape mismatch in the collective" in text:
-        what = f"variable {variable!r} has shape {m.group(1)} here but {m.group(2)} on another worker"
+        what = (f"variable {variable!r} has shape {m.group(1)} here but {m.group(2)} on another "
+                "worker")
         received = f"{variable}.shape={m.group(1)} vs {m.group(2)}"
     else:
         m = _TYPE_MISMATCH.search(text)
         if m is None:
             return None
         a, b = _dtype_name(m.group(1)), _dtype_name(m.group(2))
-        what = (f"the broadcast of variable {variable!r} met a variable of another dtype on another "
-                "worker (the models have different variables)")
+        what = (f"the broadcast of variable {variable!r} met a variable of another dtype on "
+                "another worker (the models have different variables)")
         received = f"dtypes {a} vs {b} at variable {variable!r}"
     return (f"The model differs between workers: {what} (worker 0 broadcasts every initial value "
             f"to the {num_workers} workers, in creation order). Received: {received}. Fix: build "

@@ -18,8 +18,11 @@ beyond, with ``ratio`` measured by ``python -m tfdp.bench.sparse`` (docs/benchma
   the gather does, so gather is cheaper at every measured ratio (``LOCAL_GATHER_MAX_RATIO`` is
   None: always gather under "auto");
 * across workers: a gather moves ``(W-1)/W`` of the gathered bytes into each worker, a ring
-  all-reduce ``2 (W-1)/W`` of the table, and densifying costs about one pass over the table:
-  ``WORKERS_GATHER_MAX_RATIO``.
+  all-reduce ``2 (W-1)/W`` of the table, and densifying costs about one pass over the table.
+  Measured with 2 workers (docs/benchmarks/sparse_workers.txt, 25.6 and 102 MB tables): densify
+  becomes cheaper beyond a ratio of 1.6-2.1 for the reduction alone, and beyond 0.7-0.8 when the
+  optimizer then builds the dense gradient anyway (momentum SGD): ``WORKERS_GATHER_MAX_RATIO``
+  = 1.0 lies between the two.
 
 Exactness: a densified gradient has its duplicate ids summed before the optimizer sees it. For
 optimizers linear in the gradient (SGD, SGD with momentum / Nesterov) that is the same update to
@@ -56,7 +59,7 @@ ENV = "TFDP_SPARSE"
 # Measured (docs/benchmarks/sparse.txt, tfdp bench sparse): gathered bytes / dense table bytes at
 # which densifying becomes cheaper. None: never (within one process gather always won).
 LOCAL_GATHER_MAX_RATIO = None
-WORKERS_GATHER_MAX_RATIO = 1.0
+WORKERS_GATHER_MAX_RATIO = 1.0  # measured crossovers: 0.7-0.8 (+dense), 1.6-2.1 (alone)
 
 
 def resolve_mode(value=None) -> str:
