@@ -241,3 +241,55 @@ def test_single_worker_cluster_is_rejected():
     from tfdp.multiworker import MultiWorkerDataParallelStrategy
     with pytest.raises(TfdpError, match="2 or more workers"):
         MultiWorkerDataParallelStrategy(ClusterInfo())
+
+
+COMPRESSION_SCRIPT = """
+import tfdp
+strategy = tfdp.DataParallelStrategy(compression="fp16")
+import numpy as np
+import tensorflow as tf
+from tfdp.testing import emit_result
+SHAPES = [(3,), (5, 4), (300000,)]  # the last is above bucket_bytes: packed only when compressed
+rank = strategy.cluster.rank
+
+def make(ctx):
+    g = ctx.replica_id_in_sync_group  # this replica's global index (0..3)
+    floats = [tf.cast(tf.reshape(tf.range(int(np.prod(s))), s) % 7, tf.float32) * 0.25 + g
+              for s in SHAPES]
+    return floats + [tf.fill([4], g + 1)]          # + an int32 tensor (never compressed)
+
+values = strategy.experimental_distribute_values_from_function(make)
+
+@tf.function
+def step(vals):
+    ctx = lambda: tf.distribute.get_replica_context()
+    return strategy.run(lambda v: (ctx().all_reduce("SUM", v), ctx().all_reduce("MEAN", v[:-1])),
+                        args=(vals,))
+
+total, mean = step(values)
+strategy.run(tf.function(lambda v: tf.distribute.get_replica_context().all_reduce("SUM", v[:-1])),
+             args=(values,))
+plan = [len(b.indices) for b in strategy.cross_device_ops.last_plan]
+first = lambda t: strategy.experimental_local_results(t)[0].numpy()
+n = strategy.num_replicas_in_sync
+err_sum, err_mean = [], []
+for i, s in enumerate(SHAPES):
+    want = sum((np.arange(int(np.prod(s))) % 7).reshape(s) * 0.25 + g for g in range(n))
+    err_sum.append(float(np.max(np.abs(first(total[i]) - want) / np.abs(want).max())))
+    err_mean.append(float(np.max(np.abs(first(mean[i]) - want / n) / np.abs(want / n).max())))
+emit_result(rank=rank, err_sum=err_sum, err_mean=err_mean, ints=first(total[3]).tolist(),
+            digest=float(sum(first(t).astype(np.float64).sum() for t in total)), n=n,
+            plan=plan)
+"""
+
+
+def test_fp16_compression_two_workers_sums_within_tolerance():
+    outputs = run_workers(COMPRESSION_SCRIPT, workers=2, cpu_replicas=2, timeout=150, env=ENV)
+    results = parse_results(outputs)
+    assert results[0]["digest"] == results[1]["digest"]  # the same sums on both workers
+    for r in results:
+        assert r["n"] == 4
+        assert max(r["err_sum"]) <= 1e-3 and max(r["err_mean"]) <= 1e-3  # fp16 tolerance
+        assert r["ints"] == [1 + 2 + 3 + 4] * 4  # ints exact (never compressed)
+    # one packed float16 bucket for all three float tensors (the large one included)
+    assert 3 in results[0]["plan"]

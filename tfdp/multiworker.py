@@ -59,7 +59,7 @@ from tfdp.errors import TfdpError, invalid_argument
 from tfdp.launch.launcher import PEER_FAILURE_MARK
 from tfdp.reduce import compression as codec
 from tfdp.reduce import packing, registry
-from tfdp.reduce.local import _op, _scale, tree_sum  # shared with the local reduction
+from tfdp.reduce.local import _in_place, _op, _scale, tree_sum  # shared with the local one
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
 runtime_initialized = tfp.runtime_initialized
@@ -466,8 +466,7 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         """batch_reduce where replica r's values are multiplied by ``weights[r]`` first."""
         reduce_op = _op(reduce_op)
         pairs = list(value_destination_pairs)
-        if all(not tfp.has_destinations(d) or tuple(tfp.devices_of(d)) == self.devices
-               for _, d in pairs):
+        if all(_in_place(d, self.devices) for _, d in pairs):
             return self.all_reduce(reduce_op, [v for v, _ in pairs], weights)
         if weights is not None:
             raise NotImplementedError("weighted reduction to other destinations")

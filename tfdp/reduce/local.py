@@ -127,6 +127,16 @@ def _nccl(bufs, devices, finish):
 _IMPLS = {"fused": _tree, "ring": _ring, "one_device": _one_device, "nccl": _nccl}
 
 
+def _in_place(destinations, devices) -> bool:
+    """Whether an all-reduce result goes back to ``devices`` (no destinations, the same devices,
+    or destinations without a device: a replica-context all_reduce of tensors built without a
+    device scope passes those)."""
+    if not tfp.has_destinations(destinations):
+        return True
+    dest = tuple(tfp.devices_of(destinations))
+    return dest == tuple(devices) or all(d == "" for d in dest)
+
+
 class DataParallelReduce(tf.distribute.CrossDeviceOps):
     """Bucketed, optionally compressed all-reduce over the local devices of one process.
 
@@ -218,8 +228,7 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
         """batch_reduce where replica r's values are multiplied by ``weights[r]`` first."""
         reduce_op = _op(reduce_op)
         pairs = list(value_destination_pairs)
-        if all(not tfp.has_destinations(d) or
-               tuple(tfp.devices_of(d)) == tuple(tfp.devices_of(v)) for v, d in pairs):
+        if all(_in_place(d, tuple(tfp.devices_of(v))) for v, d in pairs):
             return self.all_reduce(reduce_op, [v for v, _ in pairs], weights)
         if weights is not None:
             raise NotImplementedError("weighted reduction to other destinations")
