@@ -201,3 +201,24 @@ def test_accumulation_two_workers_equals_big_batch():
         # replica at each update (not one per micro-step).
         assert r["executed"] == 6 * r["local"] * r["grads"]
     assert results[0]["digest"] == results[1]["digest"]
+
+
+def test_accumulation_on_one_device_strategy():
+    k = 2
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = x[:, :1] * 2.0
+
+    def model(opt):
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        m.compile(opt, "mse")
+        return m
+
+    strategy = tfdp.DataParallelStrategy(["CPU:0"])
+    with strategy.scope():
+        acc = model(keras.optimizers.SGD(0.1, gradient_accumulation_steps=k))
+    acc.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    ref = model(keras.optimizers.SGD(0.1))
+    ref.fit(x, y, batch_size=k * B, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(acc.get_weights(), ref.get_weights()) <= TOL
