@@ -137,3 +137,61 @@ def coordination_heartbeat_timeout(seconds: float):
         yield
     finally:
         del ctx.configure_coordination_service
+
+
+# --- Keras 3 internals (the TensorFlow backend) --------------------------------------------------
+#
+# tfdp's gradient path (``tfdp.gradient_path``) acts at four places inside Keras, each a private
+# name listed here and checked by ``tests/test_private_names.py`` against the installed Keras:
+#
+#   keras.src.losses.loss.scale_loss_for_distribution / unscale_loss_for_distribution
+#       every Keras loss passes through them (Loss.__call__'s mean reduction, compile()'s losses,
+#       the model's regularization losses, the loss trackers): replica r's share of the batch.
+#   BaseOptimizer.apply, LossScaleOptimizer.apply
+#       the entry of every optimizer update (apply_gradients calls apply): reduce first.
+#   BaseOptimizer._clip_gradients
+#       the one call per update right before the update step, also inside Keras's
+#       gradient-accumulation update branch: reduce there when accumulating.
+#   TFOptimizer._all_reduce_sum_gradients
+#       Keras's own all-reduce, which must not reduce gradients tfdp already reduced.
+#   TensorFlowTrainer._maybe_symbolic_build
+#       reduces the first distributed batch eagerly with strategy.reduce("MEAN", axis=None) to
+#       get shapes for its symbolic build (undefined for an uneven first batch).
+
+def keras_hook_points():
+    """{name: (owner, attribute)} for every Keras internal tfdp wraps (owner: class or module)."""
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.losses import loss as loss_module
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    return {
+        "scale_loss": (loss_module, "scale_loss_for_distribution"),
+        "unscale_loss": (loss_module, "unscale_loss_for_distribution"),
+        "apply": (base_optimizer.BaseOptimizer, "apply"),
+        "loss_scale_apply": (loss_scale_optimizer.LossScaleOptimizer, "apply"),
+        "clip_gradients": (base_optimizer.BaseOptimizer, "_clip_gradients"),
+        "all_reduce_sum_gradients": (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients"),
+        "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
+    }
+
+
+_TFDP_ORIGINAL = "__tfdp_original__"
+
+
+def wrap_keras(hooks) -> None:
+    """Install ``hooks`` ({name: make(original) -> replacement}) at ``keras_hook_points()``.
+
+    Idempotent: a point already wrapped keeps its wrapper. Each replacement keeps the original
+    as ``__tfdp_original__`` and must call it whenever tfdp is not involved.
+    """
+    import functools
+    points = keras_hook_points()
+    for name, make in hooks.items():
+        owner, attr = points[name]
+        current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        if getattr(current, _TFDP_ORIGINAL, None) is not None:
+            continue
+        replacement = functools.wraps(current)(make(current))
+        setattr(replacement, _TFDP_ORIGINAL, current)
+        setattr(owner, attr, replacement)
+

@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from tfdp import _tf_private as tfp
 from tfdp import devices as devices_lib
+from tfdp import gradient_path
 from tfdp import strategy as strategy_lib
 from tfdp.errors import TfdpError, invalid_argument
 from tfdp.launch.launcher import PEER_FAILURE_MARK
@@ -606,8 +607,8 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
 class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllReduceExtended):
     """CollectiveAllReduceExtended on every local device, with tfdp's reduction and weights.
 
-    Method resolution: tfdp's ``_DataParallelExtended`` first (train-step gradient weights in
-    ``_batch_reduce_to``, BatchNorm-statistics sync, destination filling), then TF's
+    Method resolution: tfdp's ``_DataParallelExtended`` first (replica shares for the gradient
+    path, layer-state sync, destination filling), then TF's
     ``CollectiveAllReduceExtended`` (cluster, server, broadcasts, input sharding), then
     ``MirroredExtended``.
     """
@@ -616,9 +617,8 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
                  bucket_bytes, compression, timeout_seconds, heartbeat_timeout=None,
                  sparse=None):
         self._tfdp_requested_devices = local_devices
-        self._grad_ctx = None
-        self._tfdp_no_merge = False
-        self._tfdp_replica_reduce = None
+        self.tfdp_step = None
+        self._tfdp_state_vars = []
         if heartbeat_timeout:
             # TF's Python health-check thread, used only where no coordination service runs:
             # a peer is declared down after about interval + retries * timeout.
@@ -641,7 +641,7 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
             devs, self._num_workers, choice.algorithm, bucket_bytes, compression,
             fallback=self._tf_collective_ops, timeout_seconds=timeout_seconds, sparse=sparse)
         self._cross_device_ops = self._tfdp_reduce
-        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
+        self._init_tfdp(self._tfdp_reduce)  # strategy._DataParallelExtended's tfdp state
 
     def _create_variable(self, next_creator, **kwargs):
         # Worker 0 broadcasts each initial value; a worker whose model differs (another shape
@@ -684,10 +684,10 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
     def _num_workers_in_job(self) -> int:
         return self._num_workers
 
-    def _replica_weights(self, args):
-        """w_r = n_r * N / sum(n), the sum over all N replicas of all workers."""
+    def _replica_shares(self, args):
+        """n_r / sum(n), the sum over all N replicas of all workers (one collective of the
+        worker's example count per step)."""
         k = len(self.worker_devices)
-        n_global = k * self._num_workers
         for leaf in tf.nest.flatten(args):
             if k == 1 and isinstance(leaf, tf.Tensor):
                 leaf = tfp.PerReplica((leaf,))  # one device per worker: values are not wrapped
@@ -703,10 +703,8 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
                     sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
             with tf.device(self.worker_devices[0]):
                 total = self._tfdp_reduce.cross_worker_sum(tf.math.add_n(sizes), 0)
-                scale = tf.math.divide_no_nan(tf.constant(float(n_global)), total)
-            return [s * scale for s in sizes]
+            return [tf.math.divide_no_nan(s, total) for s in sizes]
         return None
-
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if len(self.worker_devices) == 1:  # plain tensors: wrap, so the weighted path sees them
@@ -866,10 +864,10 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
 
         As ``DataParallelStrategy.reduce``: nested lists/tuples/dicts are reduced leaf by leaf and
         ``axis=0`` on a scalar means ``axis=None``. Eagerly reducing (``axis=None``) per-replica
-        tensors whose shapes differ between replicas of any worker (an uneven batch, as Keras's
-        symbolic build does) is undefined in TF; tfdp returns the concatenation of this worker's
-        components along axis 0 then (the shapes are compared across workers first, so every
-        worker takes the same branch and no collective is left waiting).
+        tensors whose shapes differ between replicas of any worker (an uneven batch) is an error
+        (the shapes are compared across workers first, so every worker takes the same branch and
+        no collective is left waiting); inside Keras's symbolic build, which does it only to
+        learn the batch's shapes, the result is the concatenation of this worker's components.
         """
         if not tfp.is_distributed_values(value) and isinstance(value, (list, tuple, dict)):
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
@@ -881,7 +879,9 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
             if (axis is None and tf.executing_eagerly() and tensors
                     and all(c.shape.rank for c in comps)
                     and not self._same_shapes_everywhere(comps)):
-                return tf.concat([tf.identity(c) for c in comps], axis=0)
+                if gradient_path.in_keras_symbolic_build():
+                    return tf.concat([tf.identity(c) for c in comps], axis=0)
+                raise strategy_lib.uneven_reduce_error(reduce_op, [c.shape for c in comps])
         return super().reduce(reduce_op, value, axis)
 
     def _check_same_replica_count(self):

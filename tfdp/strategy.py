@@ -27,13 +27,16 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import weakref
 
 import tensorflow as tf
 
 from tfdp import _tf_private as tfp
 from tfdp import devices as devices_lib
+from tfdp import gradient_path
 from tfdp.errors import invalid_argument
 from tfdp.reduce import registry
 from tfdp.reduce.local import DataParallelReduce
@@ -118,12 +121,13 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         return self._cluster
 
     def reduce(self, reduce_op, value, axis):
-        """``tf.distribute.Strategy.reduce``, also for nested structures and uneven batches.
+        """``tf.distribute.Strategy.reduce``, also for nested structures.
 
         Nested lists/tuples/dicts are reduced leaf by leaf; ``axis=0`` on a scalar means
-        ``axis=None``. Eagerly reducing (``axis=None``) per-replica tensors whose leading
-        dimensions differ (the uneven last batch, as Keras's symbolic build does) is undefined in
-        TF; tfdp returns their concatenation along axis 0, i.e. the global batch.
+        ``axis=None``. ``SUM`` sums and ``MEAN`` averages, as in TF; per-replica tensors of
+        different shapes (an uneven batch) can only be reduced along an axis, e.g. ``axis=0``.
+        (Keras's symbolic build reduces the first distributed batch with ``axis=None`` only to
+        learn its shapes; there alone tfdp returns the batch itself.)
         """
         if not tfp.is_distributed_values(value) and isinstance(value, (list, tuple, dict)):
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
@@ -134,15 +138,27 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
                 axis = None
             if (axis is None and tf.executing_eagerly() and len(comps) > 1
                     and all(isinstance(c, tf.Tensor) and c.shape.rank for c in comps)
-                    and len({tuple(c.shape) for c in comps}) > 1
-                    and len({tuple(c.shape[1:]) for c in comps}) == 1):
-                return tf.concat([tf.identity(c) for c in comps], axis=0)
+                    and len({tuple(c.shape) for c in comps}) > 1):
+                if (gradient_path.in_keras_symbolic_build()
+                        and len({tuple(c.shape[1:]) for c in comps}) == 1):
+                    return tf.concat([tf.identity(c) for c in comps], axis=0)
+                raise uneven_reduce_error(reduce_op, [c.shape for c in comps])
         return super().reduce(reduce_op, value, axis)
 
     def __repr__(self):
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
         return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+
+
+def uneven_reduce_error(reduce_op, shapes):
+    from tfdp.errors import TfdpError, message
+    op = getattr(reduce_op, "name", reduce_op)
+    return TfdpError(message(
+        f"strategy.reduce({op!r}, axis=None) needs the same shape on every replica",
+        f"per-replica shapes {[tuple(s) for s in shapes]}",
+        "Reduce along the batch axis instead (axis=0), or gather the values with "
+        "strategy.gather(value, axis=0)."))
 
 
 def _log_choice_once(requested, choice, devs, reduce):
@@ -171,105 +187,67 @@ def _resolve_cluster(cluster_resolver):
     return resolve_cluster(cluster_resolver)
 
 
-# --- the extended: variable creation, uneven-batch weights --------------------------------------
-
-class _GradientContext:
-    """Set while a Keras train step runs: the model and each replica's gradient weight."""
-
-    def __init__(self, model, weights):
-        self.model = model
-        self.weights = weights
-        self.used = False
-
-
-def _keras_train_step_model(fn):
-    """The Keras model whose ``train_step`` ``fn`` is (through wrappers), else None."""
-    import keras
-    f, depth = fn, 0
-    while f is not None and depth < 16:
-        owner = getattr(f, "__self__", None)
-        if getattr(f, "__name__", None) == "train_step" and isinstance(owner, keras.Model):
-            return owner
-        f = getattr(f, "__wrapped__", None)
-        depth += 1
-    return None
-
-
-def _accumulation_steps(model):
-    """The model optimizer's ``gradient_accumulation_steps`` (also behind a loss-scale wrapper)."""
-    opt = getattr(model, "optimizer", None)
-    for o in (opt, getattr(opt, "inner_optimizer", None)):
-        steps = getattr(o, "gradient_accumulation_steps", None)
-        if steps:
-            return int(steps)
-    return None
-
-
-def _linear_in_gradient(optimizer) -> bool:
-    """Whether ``optimizer``'s update is linear in the gradient, so a densified IndexedSlices
-    (duplicate ids summed first) gives the same update: plain or momentum SGD without clipping
-    (Keras's Adam/Adagrad/RMSprop square sparse rows one by one; clipping takes norms)."""
-    import keras
-    if not isinstance(optimizer, keras.optimizers.SGD):
-        return False
-    return all(getattr(optimizer, a, None) is None
-               for a in ("clipnorm", "clipvalue", "global_clipnorm"))
-
-
-def _assert_even_split(weights, steps):
-    """With gradient accumulation every micro-batch must split evenly over the replicas."""
-    w = tf.stack(weights)
-    tf.debugging.assert_near(
-        w, tf.ones_like(w), rtol=1e-6, atol=0.0, message=(
-            "tfdp: with gradient_accumulation_steps="
-            f"{steps} every micro-batch must split evenly over the replicas (an uneven split "
-            "cannot be weighted exactly once gradients are accumulated). Received: an uneven "
-            "batch (per-replica weights != 1). Fix: make the global batch size divisible by the "
-            "number of replicas and drop the remainder (dataset.batch(..., drop_remainder=True) "
-            "or tfdp.data with drop_remainder=True)."))
-
-
-def _is_subsequence(short, long) -> bool:
-    it = iter(long)
-    return all(any(s == x for x in it) for s in short)
-
+# --- the extended: variable creation, replica shares, layer-state sync --------------------------
 
 class _DataParallelExtended(tfp.MirroredExtended):
+    """MirroredExtended with tfdp's reduction, replica shares and layer-state sync.
+
+    The multi-worker extended (``tfdp.multiworker``) derives from this class too; what differs
+    between them is ``_num_workers_in_job`` and ``_replica_shares`` (a cross-worker count).
+    """
 
     def __init__(self, container_strategy, devices, cross_device_ops):
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+        self._init_tfdp(cross_device_ops)
+
+    def _init_tfdp(self, cross_device_ops):
         self._tfdp_reduce = cross_device_ops
-        self._grad_ctx = None
-        self._tfdp_no_merge = False
+        self.tfdp_step = None  # a gradient_path.Step while a strategy.run is traced
+        self._tfdp_no_merge = 0  # > 0: replica-context collectives only (no merge_call)
         self._tfdp_replica_reduce = None
+        self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
+        self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
+        gradient_path.install()
         self._replica_reducer()  # now, outside any strategy scope (it creates variables)
 
-    # --- Keras train steps: uneven-batch weights, BatchNorm sync, gradient accumulation --------
+    def all_reduce_gradients(self, grads, densify_ok=False):
+        """SUM of every replica's ``grads`` (a flat list), called from a replica context by the
+        gradient path (``tfdp.gradient_path``); an empty replica's gradients count as zero.
+
+        One batched reduction through tfdp's reducer (``merge_call``), or, inside Keras's
+        gradient-accumulation branch, replica-context collectives.
+        """
+        step = self.tfdp_step
+        masks = None if step is None else step.masks
+        self._tfdp_reduce.densify_ok = densify_ok
+        if self._tfdp_no_merge and not tf.executing_eagerly():
+            # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
+            return self._replica_reducer().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
+
+        def merge(strategy, *values):
+            ops = strategy.extended._tfdp_reduce
+            values = [v if tfp.is_distributed_values(v) else tfp.PerReplica((v,))
+                      for v in values]
+            return ops.batch_reduce_weighted(tf.distribute.ReduceOp.SUM,
+                                             [(v, v) for v in values], masks)
+
+        return tf.distribute.get_replica_context().merge_call(merge, args=tuple(grads))
+
+    # --- one strategy.run: replica shares for Keras's losses, then layer-state sync ----------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        model = _keras_train_step_model(fn)
-        if model is None:
+        if self.tfdp_step is not None:
+            # nested: a merge_call's call_for_each_replica (e.g. LossScaleOptimizer's)
             return self._run_replicas(fn, args, kwargs)
-        self._tfdp_reduce.densify_ok = _linear_in_gradient(getattr(model, "optimizer", None))
-        accumulate = (_accumulation_steps(model) is not None and not tf.executing_eagerly())
-        many = len(self.worker_devices) > 1 or self._num_workers_in_job() > 1
-        weights = self._replica_weights(args) if many else None
-        if not accumulate and weights is None:
-            return self._run_replicas(fn, args, kwargs)
-        if accumulate and weights is not None:
-            _assert_even_split(weights, _accumulation_steps(model))
-        previous = self._grad_ctx, self._tfdp_no_merge
-        # Gradient accumulation: Keras all-reduces inside a tf.cond, where merge_call is refused;
-        # reduce from the replica contexts instead (tfdp.reduce.collective), one reduction per k
-        # micro-steps. Weights are 1 there (asserted above), so the plain sum is exact.
-        self._grad_ctx = None if accumulate else _GradientContext(model, weights)
-        self._tfdp_no_merge = accumulate
-        try:
+        replicas = len(self.worker_devices) * self._num_workers_in_job()
+        # (one replica: Keras's 1/1 is exact and there is no copy to sync)
+        shares = self._replica_shares(args) if replicas > 1 else None
+        with gradient_path.step(self, shares) as step:
             result = self._run_replicas(fn, args, kwargs)
-        finally:
-            self._grad_ctx, self._tfdp_no_merge = previous
-        if weights is not None:
-            self._sync_replica_local_state(model, weights)
+        if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
+            self._tfdp_optimizers.update(step.optimizers)
+            self._sync_layer_state(shares, replicas)
         return result
 
     def _run_replicas(self, fn, args, kwargs):
@@ -277,6 +255,33 @@ class _DataParallelExtended(tfp.MirroredExtended):
 
     def _num_workers_in_job(self) -> int:
         return 1
+
+    def _replica_shares(self, args):
+        """n_r / sum(n): replica r's share of the global batch (its first batched input)."""
+        n = len(self.worker_devices)
+        for leaf in tf.nest.flatten(args):
+            if not tfp.is_distributed_values(leaf):
+                continue
+            comps = list(leaf.values)
+            if len(comps) != n or not all(isinstance(c, tf.Tensor) and c.shape.rank
+                                          for c in comps):
+                continue
+            sizes = [tf.cast(tf.shape(c)[0], tf.float32) for c in comps]
+            total = tf.math.add_n(sizes)
+            return [tf.math.divide_no_nan(s, total) for s in sizes]
+        return None
+
+    # --- replica-context collectives (gradient accumulation) ---------------------------------
+
+    @contextlib.contextmanager
+    def replica_collectives(self):
+        """Reduce from the replica contexts (no merge_call) while inside: Keras's accumulation
+        all-reduces inside a tf.cond, where merge_call is refused."""
+        self._tfdp_no_merge += 1
+        try:
+            yield
+        finally:
+            self._tfdp_no_merge -= 1
 
     def _use_merge_call(self):
         if self._tfdp_no_merge:
@@ -305,21 +310,34 @@ class _DataParallelExtended(tfp.MirroredExtended):
         reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
         return tf.nest.pack_sequence_as(value, reduced)
 
-    def _sync_replica_local_state(self, model, weights):
+    # --- mirrored means mirrored: layer state ------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        v = super()._create_variable(next_creator, **kwargs)
+        if (tfp.is_distributed_values(v) and v.dtype.is_floating and not v.trainable
+                and v.aggregation == tf.VariableAggregation.NONE):
+            self._tfdp_state_vars.append(weakref.ref(v))
+        return v
+
+    def _sync_layer_state(self, shares, replicas):
         """Average float non-trainable variables with aggregation NONE across replicas.
 
         Such variables (BatchNorm moving statistics) are updated by each replica with its own
-        batch statistics, so MirroredStrategy lets their copies drift apart. After each train step
-        tfdp replaces every copy by the batch-share-weighted mean of the copies (for a moving mean
-        that is exactly the update with the global batch mean). Ordered after the step's updates
-        by TF's automatic control dependencies on the same resources.
+        batch statistics, so MirroredStrategy lets their copies drift apart. After every
+        training step (a step in which an optimizer applied gradients) tfdp replaces every copy
+        by the batch-share-weighted mean of the copies (for a moving mean that is exactly the
+        update with the global batch mean). Optimizer variables are left alone (every replica
+        updates them identically). Ordered after the step's updates by TF's automatic control
+        dependencies on the same resources.
         """
-        targets = []
-        for v in model.non_trainable_variables:
-            tv = getattr(v, "value", v)
-            if (tfp.is_distributed_values(tv) and tv.dtype.is_floating
-                    and tv.aggregation == tf.VariableAggregation.NONE):
-                targets.append(tv)
+        skip = set()
+        for opt in self._tfdp_optimizers:
+            for o in (opt, getattr(opt, "inner_optimizer", None)):
+                for v in getattr(o, "variables", None) or ():
+                    skip.add(id(getattr(v, "value", v)))
+        alive = [r() for r in self._tfdp_state_vars]
+        self._tfdp_state_vars = [r for r, v in zip(self._tfdp_state_vars, alive) if v is not None]
+        targets = [v for v in alive if v is not None and id(v) not in skip]
         if not targets:
             return
         pairs = []
@@ -329,27 +347,14 @@ class _DataParallelExtended(tfp.MirroredExtended):
                 with tf.device(c.device):
                     comps.append(c.read_value())
             pairs.append((tfp.PerReplica(tuple(comps)), tv))
+        weights = None if shares is None else [s * float(replicas) for s in shares]
         means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
         for tv, mean in zip(targets, means):
             for c, m in zip(tv.values, self._local_results(mean)):
                 with tf.device(c.device):
                     c.assign(m)
 
-    def _replica_weights(self, args):
-        """w_r = n_r * N / sum(n): replica r's share of the global batch, times N."""
-        n = len(self.worker_devices)
-        for leaf in tf.nest.flatten(args):
-            if not tfp.is_distributed_values(leaf):
-                continue
-            comps = list(leaf.values)
-            if len(comps) != n or not all(isinstance(c, tf.Tensor) and c.shape.rank
-                                          for c in comps):
-                continue
-            sizes = [tf.cast(tf.shape(c)[0], tf.float32) for c in comps]
-            total = tf.math.add_n(sizes)
-            scale = tf.math.divide_no_nan(tf.constant(float(n)), total)
-            return [s * scale for s in sizes]
-        return None
+    # --- destinations ------------------------------------------------------------------------
 
     def _fill_destinations(self, value, destinations):
         # A one-device replica-context all_reduce passes a tensor whose device string is empty:
@@ -370,21 +375,4 @@ class _DataParallelExtended(tfp.MirroredExtended):
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         value_destination_pairs = [(v, self._fill_destinations(v, d))
                                    for v, d in value_destination_pairs]
-        ctx = self._grad_ctx
-        if ctx is not None and not ctx.used and _op_is_sum(reduce_op):
-            pairs = list(value_destination_pairs)
-            shapes = [tuple(v.values[0].shape) if tfp.is_distributed_values(v) else None
-                      for v, _ in pairs]
-            var_shapes = [tuple(v.shape) for v in ctx.model.trainable_variables]
-            if (None not in shapes and _is_subsequence(shapes, var_shapes)
-                    and (len(shapes) > 1 or len(var_shapes) == 1)):
-                ctx.used = True
-                return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, ctx.weights)
-            value_destination_pairs = pairs
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-
-
-def _op_is_sum(reduce_op) -> bool:
-    if isinstance(reduce_op, str):
-        return reduce_op.upper() == "SUM"
-    return reduce_op == tf.distribute.ReduceOp.SUM

@@ -1,0 +1,285 @@
+"""tfdp's gradient path: why N replicas train exactly like one device on the whole global batch.
+
+Keras 3 on TensorFlow decides two things that tf.distribute strategies get wrong, and tfdp acts
+at exactly those two places (the Keras internals involved are listed, and checked against the
+installed Keras, in ``tfdp._tf_private.keras_hook_points``):
+
+1. **The loss carries each replica's share of the batch.** Every Keras loss passes through
+   ``scale_loss_for_distribution`` (``Loss.__call__``'s mean reduction, ``compile()``'s losses,
+   the model's regularization losses), which multiplies replica r's local mean by 1/N so that the
+   SUM of the replicas' gradients is the global-batch mean gradient. That holds only when every
+   replica has B/N examples. During a tfdp step the factor is replica r's share of the global
+   batch instead, ``n_r / sum(n)`` (the sum over every replica of every worker, an empty replica
+   has share 0), and ``unscale_loss_for_distribution`` divides by the same share (loss
+   trackers). The sum of the replicas' gradients is then the global-batch mean for any split, so
+   every gradient all-reduce is a plain SUM: any optimizer, several per step, any variable order
+   or subset, accumulation, loss scaling. No reduction is classified or weighted by tfdp; a loss
+   computed by hand without Keras's losses is summed over replicas, exactly as tf.distribute
+   documents it (scale it yourself, e.g. ``tf.nn.compute_average_loss``).
+
+2. **The optimizer sees the reduced gradient.** Keras clips (``_clip_gradients``) and
+   ``LossScaleOptimizer`` checks for inf/NaN *before* Keras's own all-reduce
+   (``_all_reduce_sum_gradients``, inside ``_backend_update_step``), so under tf.distribute every
+   replica clips its own partial gradient. Under tfdp the outermost ``optimizer.apply`` of each
+   replica (``apply_gradients`` calls it) all-reduces its gradients on entry, in one batched SUM
+   through the strategy's reducer (fused buckets, compression, sparse rules); from there the
+   optimizer works on the global gradient exactly as one device does (unscale, finite check,
+   clip, weight decay, update), and its own ``_all_reduce_sum_gradients`` passes the reduced
+   gradients through. With ``gradient_accumulation_steps`` the reduction waits for the update
+   micro-step: it happens where Keras clips the accumulated gradient, inside Keras's update
+   branch (a ``tf.cond``), through replica-context collectives, one reduction per k micro-steps
+   (``tfdp.reduce.collective``). A ``LossScaleOptimizer`` always reduces on entry (its finite
+   check must see the global gradient, or replicas could take different branches).
+
+A step is one ``strategy.run`` call (Keras's train/test/predict steps, or a custom loop's), with
+one replica per local device; ``Step`` holds what the hooks need while its replica functions are
+traced. Outside a tfdp step (no strategy, another strategy, one replica) every hook calls Keras's
+own code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from tfdp import _tf_private as tfp
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+class Step:
+    """One ``strategy.run`` call while it is traced (or run eagerly).
+
+    Attributes:
+      shares: per local replica, ``n_r / sum(n)`` as a float32 scalar tensor (None: no batch was
+        found in the step's arguments; Keras's 1/N applies).
+      masks: per local replica, 1.0 if it has examples else 0.0 (None with ``shares``).
+      applies: local replica id -> the ``_Apply`` of that replica's outermost ``optimizer.apply``.
+      optimizers: the optimizers that applied gradients in this step, in order.
+    """
+
+    def __init__(self, shares):
+        self.shares = shares
+        # 1.0 for a replica with examples, 0.0 for an empty one: its gradients are zeroed in
+        # the reduction (an empty batch can give NaN statistics, e.g. BatchNorm's mean of none).
+        self.masks = None if shares is None else [tf.cast(s > 0, tf.float32) for s in shares]
+        self.applies: dict[int, _Apply] = {}
+        self.optimizers: list = []
+
+
+class _Apply:
+    def __init__(self, optimizer, accumulate: bool):
+        self.optimizer = optimizer
+        self.accumulate = accumulate
+        self.reduced = False
+
+
+def accumulation_steps(optimizer):
+    """``gradient_accumulation_steps`` of an optimizer (also behind a loss-scale wrapper)."""
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        steps = getattr(o, "gradient_accumulation_steps", None)
+        if steps:
+            return int(steps)
+    return None
+
+
+def linear_in_gradient(optimizer) -> bool:
+    """Whether ``optimizer``'s update is linear in the gradient, so a densified IndexedSlices
+    (duplicate ids summed first) gives the same update: plain or momentum SGD without clipping
+    (Keras's Adam/Adagrad/RMSprop square sparse rows one by one; clipping takes norms)."""
+    import keras
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        return False
+    return all(getattr(optimizer, a, None) is None
+               for a in ("clipnorm", "clipvalue", "global_clipnorm"))
+
+
+def _current():
+    """(extended, step, local replica id) inside a replica function of a tfdp step, else None."""
+    if not tf.distribute.has_strategy():
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        return None
+    extended = ctx.strategy.extended
+    step = getattr(extended, "tfdp_step", None)
+    if step is None:
+        return None
+    return extended, step, tfp.current_replica_id()
+
+
+def _share():
+    cur = _current()
+    if cur is None or cur[1].shares is None:
+        return None
+    return cur[1].shares[cur[2]]
+
+
+def _open_apply():
+    cur = _current()
+    return None if cur is None else cur[1].applies.get(cur[2])
+
+
+def reduce_gradients(extended, grads, optimizer, trainable_variables=None):
+    """All-reduce (SUM) this replica's gradients with every other replica's; None stays None.
+
+    Gradients of variables that Keras overwrites with their gradient (``overwrite_with_gradient``)
+    are left alone, as Keras's own all-reduce leaves them.
+    """
+    grads = list(grads)
+    variables = list(trainable_variables) if trainable_variables is not None else None
+    idx = [i for i, g in enumerate(grads) if g is not None and not (
+        variables is not None and i < len(variables)
+        and getattr(variables[i], "overwrite_with_gradient", False))]
+    if not idx:
+        return grads
+    reduced = extended.all_reduce_gradients([grads[i] for i in idx],
+                                            densify_ok=linear_in_gradient(optimizer))
+    for i, r in zip(idx, reduced):
+        grads[i] = r
+    return grads
+
+
+def _zero_if_empty(grads, mask):
+    out = []
+    for g in grads:
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.IndexedSlices(tf.math.multiply_no_nan(g.values, tf.cast(mask, g.dtype)),
+                                 g.indices, g.dense_shape)
+        elif g is not None and g.dtype.is_floating:
+            g = tf.math.multiply_no_nan(g, tf.cast(mask, g.dtype))
+        out.append(g)
+    return out
+
+
+# --- the hooks (installed once, by the first tfdp strategy) -----------------------------------
+
+def _scale_loss(original):
+    def scale_loss_for_distribution(value):
+        share = _share()
+        if share is None:
+            return original(value)
+        value = tf.convert_to_tensor(value)
+        return value * tf.cast(share, value.dtype)
+    return scale_loss_for_distribution
+
+
+def _unscale_loss(original):
+    def unscale_loss_for_distribution(value):
+        share = _share()
+        if share is None:
+            return original(value)
+        value = tf.convert_to_tensor(value)
+        return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+    return unscale_loss_for_distribution
+
+
+def _apply(original):
+    def apply(self, grads, trainable_variables=None):
+        cur = _current()
+        if cur is None or cur[2] in cur[1].applies or len(grads) == 0:
+            # (nested: a LossScaleOptimizer calling its inner optimizer's apply)
+            return original(self, grads, trainable_variables)
+        extended, step, replica = cur
+        accumulate = accumulation_steps(self) is not None
+        scope = _Apply(self, accumulate)
+        step.applies[replica] = scope
+        if not any(o is self for o in step.optimizers):
+            step.optimizers.append(self)
+        try:
+            if not accumulate or hasattr(self, "inner_optimizer"):
+                grads = reduce_gradients(extended, grads, self, trainable_variables)
+                scope.reduced = True
+            if not accumulate:
+                return original(self, grads, trainable_variables)
+            if not scope.reduced and step.masks is not None:
+                # An empty replica's micro-batch adds zero to its accumulators (its batch
+                # statistics may be NaN); masking later, at the update, would also drop what
+                # the replica accumulated on earlier micro-steps.
+                grads = _zero_if_empty(grads, step.masks[replica])
+            # Keras's accumulation puts its update (merge_calls, all-reduce) in a tf.cond:
+            # replica-context collectives only, for the duration of this apply.
+            with extended.replica_collectives():
+                return original(self, grads, trainable_variables)
+        finally:
+            del step.applies[replica]
+    return apply
+
+
+def _clip_gradients(original):
+    def clip(self, grads):
+        scope = _open_apply()
+        if scope is not None and not scope.reduced:  # the accumulation update branch
+            cur = _current()
+            grads = reduce_gradients(cur[0], grads, scope.optimizer)
+            scope.reduced = True
+        return original(self, grads)
+    return clip
+
+
+def _all_reduce_sum_gradients(original):
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        scope = _open_apply()
+        if scope is not None and scope.reduced:
+            return list(grads_and_vars)  # tfdp reduced them already
+        return original(self, grads_and_vars)
+    return all_reduce_sum_gradients
+
+
+_symbolic = threading.local()
+
+
+def in_keras_symbolic_build() -> bool:
+    """Whether Keras's ``_maybe_symbolic_build`` is running in this thread (it reduces the first
+    distributed batch with ``strategy.reduce("MEAN", axis=None)`` only to learn its shapes)."""
+    return getattr(_symbolic, "depth", 0) > 0
+
+
+def _symbolic_build(original):
+    def maybe_symbolic_build(self, *args, **kwargs):
+        _symbolic.depth = getattr(_symbolic, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _symbolic.depth -= 1
+    return maybe_symbolic_build
+
+
+_HOOKS = {
+    "scale_loss": _scale_loss,
+    "unscale_loss": _unscale_loss,
+    "apply": _apply,
+    "loss_scale_apply": _apply,
+    "clip_gradients": _clip_gradients,
+    "all_reduce_sum_gradients": _all_reduce_sum_gradients,
+    "symbolic_build": _symbolic_build,
+}
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Install the hooks into Keras (idempotent; called by every tfdp strategy's constructor)."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            tfp.wrap_keras(_HOOKS)
+            _installed = True
+
+
+@contextlib.contextmanager
+def step(extended, shares):
+    """Make ``Step(shares)`` the extended's current step for the duration of a strategy.run."""
+    current = Step(shares)
+    extended.tfdp_step = current
+    try:
+        yield current
+    finally:
+        extended.tfdp_step = None
+
+
+__all__ = ["Step", "install", "step", "reduce_gradients", "in_keras_symbolic_build",
+           "accumulation_steps", "linear_in_gradient"]
