@@ -15,23 +15,21 @@ the process and across workers). No replica waits for another in Python, so the 
 sit in any control flow that every replica takes alike: in Keras's accumulation ``tf.cond`` they
 run on update steps only, one reduction per k micro-steps.
 
-Instance keys are call-time values shared by the replicas: replica r's c-th collective in a traced
-function uses the same key as every other replica's c-th collective (and every worker's, as all
-workers trace the same program), and each *call* of the function draws fresh keys, as
-``multiworker._instance_key`` does for the cross-worker stage.
+Instance keys come from ``tfdp.reduce.keys.InstanceKeys``: one run-time counter per replica
+device, so replica r's j-th executed collective has the same key as every other replica's j-th
+(and every worker's), fresh on every execution, also inside loops and branches.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 
 import tensorflow as tf
 
 from tfdp import devices as devices_lib
 from tfdp.reduce import compression as codec
-from tfdp.reduce import packing
+from tfdp.reduce import keys, packing
 
 SUM = tf.distribute.ReduceOp.SUM
 MEAN = tf.distribute.ReduceOp.MEAN
@@ -41,27 +39,9 @@ MEAN = tf.distribute.ReduceOp.MEAN
 # construction order, which is the same on every worker (same program).
 _GROUP_KEY_BASE = 1 << 26
 _group_keys = itertools.count(0)
-_instance_keys = itertools.count(1)
 _lock = threading.Lock()
 
 _REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
-
-
-def _next_instance_key() -> int:
-    with _lock:
-        return next(_instance_keys)
-
-
-def _instance_key_tensor():
-    with tf.device("CPU:0"):
-        return tf.constant(_next_instance_key(), tf.int32)
-
-
-def _outer_function_graph():
-    graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "is_control_flow_graph", False):
-        graph = graph.outer_graph
-    return graph
 
 
 class ReplicaAllReduce:
@@ -98,7 +78,7 @@ class ReplicaAllReduce:
                 with tf.device(d):
                     self._tokens.append(tf.Variable(0.0, trainable=False,
                                                     name="tfdp_replica_collective_order"))
-        self._slots = weakref.WeakKeyDictionary()  # graph -> per-replica collective counters
+            self._keys = keys.InstanceKeys(self.devices, "tfdp_replica_collective_key")
         # Testing hook: when True (set before the function is traced), every *executed* collective
         # adds one to ``executed`` (through a py_function), so tests can count reductions per step.
         self.count_executions = False
@@ -110,22 +90,6 @@ class ReplicaAllReduce:
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
 
     # --- keys --------------------------------------------------------------------------------
-
-    def _instance_key(self, replica_id: int):
-        """The instance key of this replica's next collective in the current trace."""
-        if tf.executing_eagerly():
-            raise RuntimeError("ReplicaAllReduce runs inside tf.function only (replica functions "
-                               "run one after another in eager mode, so collectives would wait "
-                               "for each other forever).")
-        graph = _outer_function_graph()
-        with _lock:
-            counts = self._slots.setdefault(graph, {})
-            slot = counts.get(replica_id, 0)
-            counts[replica_id] = slot + 1
-        with graph.as_default():
-            return graph.capture_call_time_value(
-                _instance_key_tensor, tf.TensorSpec([], tf.int32),
-                key=("tfdp_replica_collective", self.group_key, slot))
 
     def _tick(self):
         with _lock:
@@ -145,6 +109,10 @@ class ReplicaAllReduce:
         Returns:
           The reduced tensors, in order, on this replica's device.
         """
+        if tf.executing_eagerly():
+            raise RuntimeError("ReplicaAllReduce runs inside tf.function only (replica functions "
+                               "run one after another in eager mode, so collectives would wait "
+                               "for each other forever).")
         if isinstance(reduce_op, str):
             reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
         self.traced += 1
@@ -177,7 +145,7 @@ class ReplicaAllReduce:
                                    else tf.float32)
                 out = tf.raw_ops.CollectiveReduceV2(
                     input=wire, group_size=n, group_key=self.group_key,
-                    instance_key=self._instance_key(replica_id),
+                    instance_key=self._keys.next(replica_id),
                     ordering_token=[self._tokens[replica_id].handle],
                     merge_op="Add", final_op="Id", communication_hint=self.hint,
                     timeout_seconds=self.timeout_seconds)
