@@ -11,18 +11,19 @@ Used exactly like ``tf.distribute.MirroredStrategy``::
 On top of MirroredStrategy's variable mirroring and input pipeline it changes four things:
 
 1. Reduction is tfdp's own (``tfdp.reduce``): fused buckets, NCCL/ring/tree, compression.
-2. Uneven batches are exact. Keras scales each replica's mean loss by 1/num_replicas whatever the
-   replica's share of the batch, so a global batch of 50 over 4 replicas (13,13,12,12) does not
-   give the global-batch mean. During a Keras ``train_step`` tfdp weights replica r's gradients
-   by ``n_r * N / sum(n)`` inside the gradient all-reduce, which makes the step exactly the
-   global-batch mean (weights are exactly 1.0 for even splits).
+2. The step is the global-batch step, for the Keras code users write (``tfdp.gradient_path``):
+   each replica's Keras loss carries its share of the global batch (``n_r / sum(n)``, not 1/N),
+   so every gradient all-reduce is a plain sum and uneven or empty replica batches are exact;
+   each optimizer reduces its gradients when ``apply`` starts, so clipping, loss-scale checks and
+   updates see the global gradient, as on one device. Built-in or custom ``train_step``, several
+   optimizers, any variable order, ``steps_per_execution``, ``LossScaleOptimizer``.
 3. Keras's own ``gradient_accumulation_steps=k`` works (MirroredStrategy crashes on it): the
-   optimizer's all-reduce sits in a ``tf.cond``, so during such train steps tfdp reduces from
-   the replica contexts (``tfdp.reduce.collective``), one all-reduce per k micro-steps.
+   optimizer's all-reduce sits in a ``tf.cond``, so there tfdp reduces from the replica contexts
+   (``tfdp.reduce.collective``), one all-reduce per k micro-steps.
 4. Mirrored means mirrored. Floating non-trainable variables with aggregation NONE (BatchNorm
    moving statistics) are averaged across replicas (weighted by batch share) at the end of every
-   Keras train step, so the copies never drift apart (MirroredStrategy lets them drift). In a
-   custom loop with BatchNormalization, use ``SyncBatchNorm``-style layers or average them yourself.
+   training step (a step in which an optimizer applied gradients, Keras's or a custom loop's), so
+   the copies never drift apart (MirroredStrategy lets them drift).
 """
 
 from __future__ import annotations
