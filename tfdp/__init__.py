@@ -4,12 +4,21 @@ Public surface: ``DataParallelStrategy``, ``configure_cpu_replicas``, ``data`` (
 pipelines) and ``__version__``.
 TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_cpu_replicas(n)``
 works before the TF runtime starts.
+
+The one import-time effect: when ``TFDP_CPU_REPLICAS`` is set, the host CPU is split into that
+many logical devices before TensorFlow's runtime starts (now if TensorFlow is already imported,
+else right after it is), so a script may build datasets, tensors and seeds before creating the
+strategy (``tfdp.devices.apply_cpu_replicas_env_early``). ``import tfdp`` never imports
+TensorFlow itself.
 """
 
 from tfdp._version import __version__
+from tfdp.devices import apply_cpu_replicas_env_early as _apply_cpu_replicas_env_early
 from tfdp.devices import configure_cpu_replicas
 
 __all__ = ["DataParallelStrategy", "configure_cpu_replicas", "callbacks", "data", "__version__"]
+
+_apply_cpu_replicas_env_early()
 
 
 def __getattr__(name):

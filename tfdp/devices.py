@@ -1,11 +1,23 @@
-"""Local devices: logical CPU replicas and device-list validation."""
+"""Local devices: logical CPU replicas and device-list validation.
+
+``TFDP_CPU_REPLICAS=n`` asks for ``n`` logical CPU devices. TensorFlow fixes its devices when its
+runtime starts (the first op, dataset, device listing or variable), which in a script may come
+long before the strategy is created (seeds, datasets, tensors). So the variable is applied as
+early as tfdp can: when ``tfdp`` is imported (if TensorFlow is already imported and its runtime
+has not started), else right after ``tensorflow`` itself is imported (a one-shot import hook,
+so ``import tfdp`` alone, e.g. the ``tfdp`` command line, never imports TensorFlow). A runtime
+that started before ``import tfdp`` cannot be split any more: the strategy then says so in one
+line (:func:`apply_cpu_replicas_env`).
+"""
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
 import os
+import sys
 
-from tfdp.errors import TfdpError, invalid_argument
+from tfdp.errors import TfdpError, invalid_argument, message
 
 log = logging.getLogger("tfdp")
 
@@ -64,6 +76,150 @@ def cpu_replicas_from_env(environ=None) -> int | None:
     return n
 
 
+# What apply_cpu_replicas_env_early() saw at ``import tfdp``: the variable's count (None: unset or
+# invalid) and whether TF's runtime had already started (None: TF was not imported yet).
+_at_import: dict = {"n": None, "runtime_started": None}
+
+
+def _runtime_started() -> bool:
+    from tfdp import _tf_private
+    return _tf_private.runtime_initialized()
+
+
+def _split_cpu_now(n: int) -> bool:
+    """Split the CPU into ``n`` logical devices if the runtime has not started and nothing
+    configured the CPU yet; never raises (used at import time). True when split."""
+    import tensorflow as tf
+    try:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        if tf.config.get_logical_device_configuration(cpu) is not None:
+            return False  # the program configured it itself: leave it (checked at strategy)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except Exception:  # pylint: disable=broad-except  (runtime started, odd build: see strategy)
+        return False
+    log.info("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
+    return True
+
+
+class _AfterTensorFlowImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: runs ``callback`` right after the ``tensorflow`` package has been
+    imported (before any user code can start its runtime), then removes itself.
+
+    It finds TensorFlow's spec with the other finders and wraps that spec's loader's
+    ``exec_module`` (an instance attribute, removed again once it ran); a mere
+    ``importlib.util.find_spec("tensorflow")`` probe executes nothing and keeps the hook.
+    """
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "tensorflow":
+            return None
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        original = getattr(loader, "exec_module", None)
+        if original is None:
+            return spec
+
+        def exec_module(module):
+            try:
+                original(module)
+            finally:
+                vars(loader).pop("exec_module", None)
+            self.remove()
+            self.callback()
+
+        try:
+            loader.exec_module = exec_module  # instance attribute shadowing the method
+        except (AttributeError, TypeError):  # a loader without instance attributes: give up
+            pass
+        return spec
+
+    def remove(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def apply_cpu_replicas_env_early() -> None:
+    """At ``import tfdp``: honour ``TFDP_CPU_REPLICAS`` before TensorFlow's runtime starts.
+
+    Never raises and never imports TensorFlow itself: with TF already imported the CPU is split
+    now (if its runtime has not started); otherwise right after TF gets imported. A bad value is
+    left for the strategy to report.
+    """
+    try:
+        n = cpu_replicas_from_env()
+    except TfdpError:
+        return
+    if n is None:
+        return
+    _at_import["n"] = n
+    if "tensorflow" in sys.modules:
+        try:
+            started = _at_import["runtime_started"] = _runtime_started()
+        except Exception:  # pylint: disable=broad-except  (TF only partly imported)
+            return
+        if not started:
+            _split_cpu_now(n)
+        return
+    if not any(isinstance(f, _AfterTensorFlowImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTensorFlowImport(lambda: _split_cpu_now(n)))
+
+
+def apply_cpu_replicas_env() -> int | None:
+    """Apply ``TFDP_CPU_REPLICAS`` (strategy creation): the count, or None when unset.
+
+    Raises:
+      TfdpError: a bad value, or a runtime that already started with another CPU count (one
+        line saying why and how to fix it).
+    """
+    n = cpu_replicas_from_env()
+    if n is None:
+        return None
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if not _runtime_started():
+        current = tf.config.get_logical_device_configuration(cpu)
+        if current is None or len(current) != n:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+            log.info("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
+        return n
+    have = len(tf.config.list_logical_devices("CPU"))
+    if have == n:
+        return n
+    received = f"{CPU_REPLICAS_ENV}={n} with {have} logical CPU device(s) already in use"
+    if _at_import["runtime_started"]:
+        raise TfdpError(message(
+            f"{CPU_REPLICAS_ENV}={n} came too late: the TensorFlow runtime started before "
+            "`import tfdp`, so the CPU can no longer be split", received,
+            "Import tfdp before any TensorFlow op, dataset, tensor or model is created (put "
+            "`import tfdp` at the top of the script), or unset "
+            f"{CPU_REPLICAS_ENV}."))
+    if _at_import["n"] is None:
+        raise TfdpError(message(
+            f"{CPU_REPLICAS_ENV}={n} came too late: it was set after `import tfdp` and the "
+            "TensorFlow runtime has started since, so the CPU can no longer be split", received,
+            f"Set {CPU_REPLICAS_ENV} in the environment before the program starts (e.g. "
+            f"`{CPU_REPLICAS_ENV}={n} python train.py` or tfdp launch --cpu-replicas {n}), or "
+            f"call tfdp.configure_cpu_replicas({n}) before any TensorFlow code runs."))
+    raise TfdpError(message(
+        f"{CPU_REPLICAS_ENV}={n} does not match the program's own CPU configuration: the "
+        f"TensorFlow runtime started with {have} logical CPU device(s)", received,
+        f"Set {CPU_REPLICAS_ENV}={have} (tfdp launch --cpu-replicas {have}), unset it, or "
+        "remove the program's own tfdp.configure_cpu_replicas() / "
+        "tf.config.set_logical_device_configuration() call."))
+
+
 def canonical(device: str) -> str:
     """'GPU:1', '/gpu:1', '/device:GPU:1' -> '/job:localhost/replica:0/task:0/device:GPU:1'."""
     import tensorflow as tf
@@ -81,9 +237,7 @@ def default_devices() -> list[str]:
     import tensorflow as tf
     if tf.config.list_physical_devices("GPU"):
         return [canonical(d.name) for d in tf.config.list_logical_devices("GPU")]
-    n = cpu_replicas_from_env()
-    if n is not None:
-        configure_cpu_replicas(n)
+    apply_cpu_replicas_env()
     return [canonical(d.name) for d in tf.config.list_logical_devices("CPU")]
 
 
@@ -100,6 +254,7 @@ def resolve_devices(devices) -> list[str]:
         raise invalid_argument("devices", devices, fix="Pass at least one device, or None for "
                                "all local devices.")
     import tensorflow as tf
+    env_n = apply_cpu_replicas_env()  # an explicit CPU list gets its devices from it too
     available = {canonical(d.name) for d in tf.config.list_logical_devices()
                  if d.device_type in ("CPU", "GPU")}
     result = []
@@ -116,8 +271,7 @@ def resolve_devices(devices) -> list[str]:
             raise invalid_argument(
                 "devices", devices, what=f"Device {d!r} does not exist on this machine",
                 valid=sorted(short_name(a) for a in available),
-                fix="Use tfdp.configure_cpu_replicas(n) (or TFDP_CPU_REPLICAS=n) for more CPU "
-                    "devices.")
+                fix=more_cpu_devices_hint(env_n))
         if c in result:
             raise invalid_argument("devices", devices, what=f"Device {d!r} is listed twice",
                                    fix="List each device once.")
@@ -132,3 +286,13 @@ def short_name(device: str) -> str:
 
 def is_gpu(device: str) -> bool:
     return "GPU" in short_name(device).upper()
+
+
+def more_cpu_devices_hint(env_n: int | None) -> str:
+    """How to get more CPU devices: set TFDP_CPU_REPLICAS, or (when it is set) raise it."""
+    if env_n is None:
+        return ("Use tfdp.configure_cpu_replicas(n) (or TFDP_CPU_REPLICAS=n) for more CPU "
+                "devices.")
+    have = "only CPU:0" if env_n == 1 else f"CPU:0..CPU:{env_n - 1}"
+    return (f"{CPU_REPLICAS_ENV}={env_n} gives {have}: list only those, or set "
+            f"{CPU_REPLICAS_ENV} (tfdp launch --cpu-replicas) higher.")

@@ -1,0 +1,371 @@
+"""Order of set-up does not matter; custom loops across workers (issue: set-up order, custom loops).
+
+A script may import TensorFlow, set seeds and build datasets and tensors before it creates the
+strategy, with ``TFDP_CPU_REPLICAS`` set or not, in one process or under ``tfdp launch``; where
+something truly must come first (``import tfdp`` before the TF runtime starts, for the CPU
+split) one line says what and how to fix it. And TF's multi-worker custom-loop tutorial as
+written (optimizer slots created lazily by the first ``apply_gradients`` inside the
+``tf.function`` step) trains across 2 workers x 2 CPU replicas exactly like one device.
+
+Every case needs a fresh TF runtime, so each runs in a subprocess (hard timeouts): plain
+``python -c`` for one process, ``tfdp.testing.run_workers`` (``tfdp launch`` on 127.0.0.1) for
+several workers. Workers import the training code from this module, so the single-device
+reference computed here runs exactly the same code.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tfdp.testing import parse_results, run_workers
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS_DIR)
+TOL = 1e-5
+ENV = {"TFDP_TEST_DIR": TESTS_DIR, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(code, env_extra=None, timeout=150):
+    """Run ``code`` in a fresh Python (no TFDP_CPU_REPLICAS / TF_CONFIG unless given)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_CPU_REPLICAS", "TF_CONFIG")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **(env_extra or {}))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=ROOT)
+    return r
+
+
+def _lines(r, mark):
+    return [line[len(mark):].strip() for line in r.stdout.splitlines() if line.startswith(mark)]
+
+
+# --- one process: TFDP_CPU_REPLICAS honoured whenever tfdp is imported before the runtime -------
+
+@pytest.mark.timeout(200)
+def test_env_var_honoured_when_datasets_seeds_and_ops_come_first():
+    r = _run("""
+        import importlib.util, sys
+        import tfdp
+        print("TF_IMPORTED_BY_TFDP", "tensorflow" in sys.modules)   # import tfdp: no TF
+        importlib.util.find_spec("tensorflow")                     # a probe executes nothing
+        import numpy as np
+        import tensorflow as tf
+        import keras
+        keras.utils.set_random_seed(0)
+        tf.random.set_seed(0)
+        x = tf.constant(np.ones((64, 3), "float32"))               # the runtime starts here
+        ds = tf.data.Dataset.from_tensor_slices((x, tf.ones((64, 1)))).batch(16)
+        print("CARD", int(ds.cardinality()))
+        strategy = tfdp.DataParallelStrategy()
+        print("REPLICAS", strategy.num_replicas_in_sync)
+        with strategy.scope():
+            m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            m.compile("sgd", "mse")
+        m.fit(ds, epochs=1, verbose=0)
+        print("FIT OK")
+        # An explicit CPU list gets its devices from TFDP_CPU_REPLICAS too.
+        print("EXPLICIT", tfdp.DataParallelStrategy(["CPU:0", "CPU:1"]).num_replicas_in_sync)
+        try:
+            tfdp.DataParallelStrategy(["CPU:0", "CPU:2"])
+        except ValueError as e:
+            print("ERR", e)
+    """, {"TFDP_CPU_REPLICAS": "2"})
+    out = r.stdout + r.stderr[-3000:]
+    assert _lines(r, "TF_IMPORTED_BY_TFDP") == ["False"], out
+    assert _lines(r, "REPLICAS") == ["2"] and _lines(r, "FIT OK") == [""], out
+    assert _lines(r, "EXPLICIT") == ["2"], out
+    (err,) = _lines(r, "ERR")
+    assert "Device 'CPU:2' does not exist" in err and "Received: devices=['CPU:0', 'CPU:2']" in err
+    # the hint names the variable that is set, not "set TFDP_CPU_REPLICAS=n"
+    assert "TFDP_CPU_REPLICAS=2 gives CPU:0..CPU:1" in err and "set TFDP_CPU_REPLICAS" in err
+    assert "(or TFDP_CPU_REPLICAS=n)" not in err
+
+
+@pytest.mark.timeout(200)
+def test_env_var_honoured_when_tensorflow_is_imported_before_tfdp():
+    r = _run("""
+        import tensorflow as tf
+        import tfdp                      # TF imported, runtime not started: split now
+        ds = tf.data.Dataset.range(8).batch(4)
+        print("CPUS", len(tf.config.list_logical_devices("CPU")))
+        print("REPLICAS", tfdp.DataParallelStrategy().num_replicas_in_sync)
+    """, {"TFDP_CPU_REPLICAS": "3"})
+    assert _lines(r, "CPUS") == ["3"] and _lines(r, "REPLICAS") == ["3"], r.stdout + r.stderr
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("when,needles", [
+    ("before_import", ["TFDP_CPU_REPLICAS=2 came too late", "started before `import tfdp`",
+                       "Received: TFDP_CPU_REPLICAS=2 with 1 logical CPU device(s)",
+                       "Import tfdp before any TensorFlow op"]),
+    ("set_later", ["TFDP_CPU_REPLICAS=2 came too late", "set after `import tfdp`",
+                   "Received: TFDP_CPU_REPLICAS=2 with 1 logical CPU device(s)",
+                   "before the program starts"]),
+])
+def test_too_late_for_the_cpu_split_is_one_clear_line(when, needles):
+    code = {
+        "before_import": """
+            import os
+            import tensorflow as tf
+            tf.constant(1.0) + 1           # the runtime starts with one CPU device
+            import tfdp
+        """,
+        "set_later": """
+            import os
+            import tfdp
+            import tensorflow as tf
+            tf.constant(1.0) + 1
+            os.environ["TFDP_CPU_REPLICAS"] = "2"
+        """,
+    }[when] + """
+            for make in (lambda: tfdp.DataParallelStrategy(),
+                         lambda: tfdp.DataParallelStrategy(["CPU:0", "CPU:1"])):
+                try:
+                    make()
+                    print("NO ERROR")
+                except ValueError as e:
+                    print("ERR", repr(str(e)))
+    """
+    r = _run(code, {"TFDP_CPU_REPLICAS": "2"} if when == "before_import" else None)
+    errs = _lines(r, "ERR")
+    assert len(errs) == 2, r.stdout + r.stderr[-3000:]
+    for err in errs:
+        msg = eval(err)  # noqa: S307  (repr of a str printed by the child)
+        assert "\n" not in msg, msg
+        for n in needles:
+            assert n in msg, msg
+
+
+@pytest.mark.timeout(200)
+def test_port_in_use_is_clear_also_when_a_dataset_comes_first():
+    """The runtime started before the strategy: the worker's port is still checked first."""
+    import json
+    import socket
+    import portpicker
+    port, other = portpicker.pick_unused_port(), portpicker.pick_unused_port()
+    config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{other}"]},
+                         "task": {"type": "worker", "index": 0}})
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", port))
+        held.listen(1)
+        r = _run("""
+            import tfdp
+            import tensorflow as tf
+            ds = tf.data.Dataset.range(8).batch(4)   # starts the runtime
+            try:
+                tfdp.DataParallelStrategy()
+            except ValueError as e:
+                print("ERR", e)
+        """, {"TF_CONFIG": config})
+    (err,) = _lines(r, "ERR") or [r.stdout + r.stderr[-3000:]]
+    assert f"Port {port}" in err and "already in use" in err and f"port={port}" in err, err
+
+
+# --- several workers: datasets first, then the strategy (tfdp launch) --------------------------
+
+N_EXAMPLES, BATCH, EPOCHS = 210, 50, 2  # uneven last batch (10)
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(N_EXAMPLES, 6)).astype("float32")
+    y = (x @ rng.normal(size=(6, 1))).astype("float32")
+    return x, y
+
+
+def _model(seed):
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def _weights(strategy, model, optimizer):
+    """This worker's copies of every variable: (first replica's arrays, all copies identical)."""
+    import numpy as np
+    out, identical = [], True
+    for v in list(model.variables) + list(optimizer.variables):
+        v = getattr(v, "value", v)
+        copies = ([np.asarray(c) for c in strategy.experimental_local_results(v)]
+                  if strategy is not None else [np.asarray(v)])
+        identical &= all(np.array_equal(c, copies[0]) for c in copies)
+        out.append(copies[0])
+    return out, bool(identical)
+
+
+DATASET_FIRST_SCRIPT = """
+import json, os, sys
+import tfdp
+import numpy as np
+import tensorflow as tf
+import keras
+sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
+from tfdp.testing import emit_result
+from test_setup_order import BATCH, EPOCHS, _data, _model, _weights
+rank = int(os.environ["TFDP_WORKER_RANK"])
+# Seeds, tensors and the dataset come first: the TF runtime starts before the strategy.
+tf.random.set_seed(7)
+x, y = _data()
+ds = tf.data.Dataset.from_tensor_slices((tf.constant(x), tf.constant(y))).batch(BATCH)
+eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(37)
+assert int(ds.cardinality()) == 5
+made_before = tf.Variable(1.0, name="made_before")  # unusable after the start: named in a warning
+devices = json.loads(os.environ["DEVICES"])
+strategy = tfdp.DataParallelStrategy(devices)
+with strategy.scope():
+    model = _model(seed=1 + rank)  # worker 0's initial weights must win
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+hist = model.fit(ds, epochs=EPOCHS, verbose=0).history
+ev = model.evaluate(eval_ds, verbose=0)
+w, identical = _weights(strategy, model, model.optimizer)
+emit_result(rank=rank, replicas=strategy.num_replicas_in_sync, loss=hist["loss"], eval=ev,
+            weights=w, replicas_identical=identical,
+            local=len(strategy.extended.worker_devices))
+"""
+
+
+def _reference_fit():
+    import keras
+    import tensorflow as tf
+    x, y = _data()
+    model = _model(seed=1)
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    hist = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=EPOCHS,
+                     verbose=0).history
+    ev = model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(37), verbose=0)
+    return _weights(None, model, model.optimizer)[0], hist["loss"], ev
+
+
+def _max_diff(a, b):
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(np.asarray(p, np.float64) - np.asarray(q, np.float64))))
+               for p, q in zip(a, b))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cpu_replicas,devices", [(None, None), (2, ["CPU:0", "CPU:1"])],
+                         ids=["1-replica-per-worker", "2-cpu-replicas-explicit-list"])
+def test_workers_train_when_the_dataset_comes_before_the_strategy(cpu_replicas, devices):
+    import json
+    outputs = run_workers(DATASET_FIRST_SCRIPT, workers=2, cpu_replicas=cpu_replicas,
+                          timeout=200, env=dict(ENV, DEVICES=json.dumps(devices)))
+    results = parse_results(outputs)
+    for out in outputs:  # the one variable made before the strategy is named, with the fix
+        assert ("1 variable(s) were created before the multi-worker strategy" in out
+                and "Received: 'made_before:0'" in out and "datasets and tensors may come first"
+                in out), out
+    k = cpu_replicas or 1
+    assert [(r["rank"], r["replicas"], r["local"]) for r in results] == [(0, 2 * k, k),
+                                                                         (1, 2 * k, k)]
+    assert all(r["replicas_identical"] for r in results)
+    w0, w1 = results[0]["weights"], results[1]["weights"]
+    assert _max_diff(w0, w1) == 0.0, "the workers' weights differ"
+    assert results[0]["loss"] == results[1]["loss"] and results[0]["eval"] == results[1]["eval"]
+    ref_w, ref_loss, ref_eval = _reference_fit()
+    diff = _max_diff(w0, ref_w)
+    print(f"dataset first, {k} replica(s) per worker: max |dw| vs one device = {diff:.2e}")
+    assert diff <= TOL
+    np.testing.assert_allclose(results[0]["loss"], ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(results[0]["eval"], ref_eval, rtol=1e-5)
+
+
+# --- several workers: TF's multi-worker custom-loop tutorial, as written ------------------------
+
+LOOP_EXAMPLES, LOOP_BATCH, LOOP_STEPS = 192, 32, 12  # 6 global batches a pass, 2 passes
+
+
+def tutorial_loop(strategy, optimizer_name, seed):
+    """TF's "Custom training loop with MultiWorkerMirroredStrategy" tutorial, in small.
+
+    Model, optimizer and metric are created in ``strategy.scope()``; the optimizer's slots are
+    NOT built beforehand: the first ``apply_gradients``, inside the ``tf.function`` step, in
+    replica context, creates them. ``strategy=None``: the same loop on one device.
+    """
+    import contextlib
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(LOOP_EXAMPLES, 6)).astype("float32")
+    y = rng.integers(0, 4, size=(LOOP_EXAMPLES,)).astype("int32")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(4)])
+        optimizer = {"adam": lambda: keras.optimizers.Adam(1e-2),
+                     "rmsprop": lambda: keras.optimizers.RMSprop(1e-2)}[optimizer_name]()
+        train_loss = keras.metrics.Sum()
+    assert not optimizer.built  # the slots come lazily, inside the first step
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(LOOP_BATCH)
+
+    def step_fn(inputs):
+        xb, yb = inputs
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=LOOP_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        train_loss.update_state(loss)
+        return loss
+
+    if strategy is None:
+        iterator = iter(ds)
+
+        @tf.function
+        def train_step(it):
+            return step_fn(next(it))
+    else:
+        iterator = iter(strategy.experimental_distribute_dataset(ds))
+
+        @tf.function
+        def train_step(it):
+            per_replica = strategy.run(step_fn, args=(next(it),))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    losses = [float(train_step(iterator)) for _ in range(LOOP_STEPS)]
+    return model, optimizer, losses, float(train_loss.result())
+
+
+LOOP_SCRIPT = """
+import os, sys
+import tfdp
+strategy = tfdp.DataParallelStrategy()
+sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
+from tfdp.testing import emit_result
+from test_setup_order import _weights, tutorial_loop
+rank = strategy.cluster.rank
+out = {}
+for name in ("adam", "rmsprop"):
+    model, opt, losses, total = tutorial_loop(strategy, name, seed=3 + rank)
+    w, identical = _weights(strategy, model, opt)
+    out[name] = dict(losses=losses, total=total, weights=w, replicas_identical=identical,
+                     slots=len(opt.variables))
+emit_result(rank=rank, replicas=strategy.num_replicas_in_sync, runs=out)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_tutorial_custom_loop_lazy_slots_two_workers_two_replicas_equal_one_device():
+    outputs = run_workers(LOOP_SCRIPT, workers=2, cpu_replicas=2, timeout=200, env=ENV)
+    results = parse_results(outputs)
+    assert [r["replicas"] for r in results] == [4, 4]
+    for name in ("adam", "rmsprop"):
+        a, b = results[0]["runs"][name], results[1]["runs"][name]
+        assert a["replicas_identical"] and b["replicas_identical"], name
+        assert _max_diff(a["weights"], b["weights"]) == 0.0, f"{name}: workers differ"
+        assert a["losses"] == b["losses"] and a["total"] == b["total"], name
+        model, opt, ref_losses, ref_total = tutorial_loop(None, name, seed=3)
+        ref_w, _ = _weights(None, model, opt)
+        assert a["slots"] == len(opt.variables), name
+        diff = _max_diff(a["weights"], ref_w)
+        print(f"tutorial loop, {name}, 2 workers x 2 replicas: max |dw| vs one device = "
+              f"{diff:.2e}")
+        assert diff <= TOL, name
+        np.testing.assert_allclose(a["losses"], ref_losses, rtol=1e-5)
+        np.testing.assert_allclose(a["total"], ref_total, rtol=1e-5)
