@@ -62,6 +62,57 @@ def late_collective_config():
     finally:
         del ctx.configure_collective_ops
 
+
+def collective_server_started() -> bool:
+    """Whether this process already gave TF a server definition (its gRPC server, started by
+    ``enable_collective_ops`` / ``set_server_def``, holds this task's port)."""
+    ctx = _context.context()
+    return (getattr(ctx, "_collective_ops_server_def", None) is not None
+            or getattr(ctx, "_server_def", None) is not None)
+
+
+def alias_former_local_devices(job: str, task: int) -> bool:
+    """After a late collective start: make device names of the runtime's former local devices
+    (``/job:localhost/replica:0/task:0/device:X:i``) mean this task's (``/job:<job>/replica:0/
+    task:<task>/device:X:i``) in eager device scopes.
+
+    Why: ``enable_collective_ops`` on a running context (``late_collective_config``) replaces its
+    local devices by the server's, renamed to the task (TF's TODO b/129298253). Tensors and
+    datasets made before keep working as op inputs, but tf.data places the ops it runs on a
+    dataset with ``colocate_with(dataset._variant_tensor)``, i.e. ``tf.device(<its old device
+    name>)``, which no longer exists: ``/job:localhost/replica:0/task:0/device:CPU:0 unknown
+    device [Op:DatasetCardinality]`` / ``[Op:AnonymousIteratorV3]`` when a dataset built before
+    the strategy is distributed or iterated. ``Context.device`` (what ``tf.device`` and eager
+    ``colocate_with`` call) is shadowed by an instance attribute that renames such names (the
+    devices are the same: same process, same index); any other name passes unchanged. Inside
+    ``tf.function`` a stale name is only a placement request that soft placement relaxes.
+    Variables made before stay on the old devices (no longer local): they cannot be used.
+    Idempotent; returns True when installed now.
+    """
+    ctx = _context.context()
+    if "device" in vars(ctx):
+        return False
+    method = type(ctx).device
+
+    def device(name):
+        if isinstance(name, tf.config.LogicalDevice):
+            name = name.name
+        elif isinstance(name, tf.DeviceSpec):
+            name = name.to_string()
+        if isinstance(name, str) and "localhost" in name:
+            try:
+                spec = tf.DeviceSpec.from_string(name)
+            except (ValueError, TypeError):
+                spec = None
+            if (spec is not None and spec.job == "localhost" and spec.replica in (None, 0)
+                    and spec.task in (None, 0)):
+                name = spec.replace(job=job, replica=0, task=task).to_string()
+        return method(ctx, name)
+
+    ctx.device = device
+    return True
+
+
 TF_VERSION_CHECKED = "2.21.0"
 
 MirroredExtended = _mirrored_strategy.MirroredExtended

@@ -43,12 +43,10 @@ How it is built (TF 2.21):
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
 import sys
-import threading
 
 import tensorflow as tf
 
@@ -59,7 +57,7 @@ from tfdp import strategy as strategy_lib
 from tfdp.errors import TfdpError, invalid_argument
 from tfdp.launch.launcher import PEER_FAILURE_MARK
 from tfdp.reduce import compression as codec
-from tfdp.reduce import packing, registry
+from tfdp.reduce import keys, packing, registry
 from tfdp.reduce.local import _in_place, _op, _scale, tree_sum  # shared with the local one
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
@@ -70,11 +68,8 @@ log = logging.getLogger("tfdp")
 
 # Collective keys. TF's own CollectiveKeys (initial-value broadcast, TF's CollectiveAllReduce
 # used for gather) hand out small group keys from 1; tfdp's groups live far above. Instance keys
-# come from one process-wide counter, so every collective tfdp builds has its own key. Every worker
-# builds the same collectives in the same order (same program, same traces), so keys agree.
+# come from tfdp.reduce.keys (run-time counters, one per local device slot).
 _GROUP_KEY_BASE = 1 << 24
-_instance_keys = itertools.count(1)
-_instance_lock = threading.Lock()
 
 # dtypes CollectiveReduceV2 / CollectiveGatherV2 accept (others are cast for the trip).
 _REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
@@ -290,36 +285,6 @@ class _PeerFailureHook:
             sys.stderr.flush()
 
 
-def _next_instance_key() -> int:
-    with _instance_lock:
-        return next(_instance_keys)
-
-
-def _instance_key():
-    """A fresh instance key for each *execution* of a collective.
-
-    Inside a ``tf.function`` the key is a call-time capture (``capture_call_time_value``, as TF's
-    own collective launcher does): every call of the function takes new keys from the
-    process-wide counter. Keys fixed at trace time would be reused by every step, but TF caches an
-    instance's shape under its key, so a step whose shapes differ (the uneven last batch, or a
-    sparse gradient) would fail; and workers that retrace at different times would disagree.
-    """
-    if tf.executing_eagerly():
-        return _next_instance_key()
-    graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "is_control_flow_graph", False):
-        graph = graph.outer_graph
-    if not getattr(graph, "building_function", False):
-        return _next_instance_key()
-    with graph.as_default():
-        return graph.capture_call_time_value(_instance_key_tensor, tf.TensorSpec([], tf.int32))
-
-
-def _instance_key_tensor():
-    with tf.device("CPU:0"):
-        return tf.constant(_next_instance_key(), tf.int32)
-
-
 def _copies(t, devices):
     """``t`` on every device of ``devices`` (t itself where it already is)."""
     out = []
@@ -377,6 +342,7 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
                     with tf.device(d):
                         self._tokens.append(tf.Variable(0.0, trainable=False,
                                                         name="tfdp_collective_order"))
+        self._keys = keys.InstanceKeys(self.devices, "tfdp_cross_worker_key")
         self.traced_batch_reductions = 0
         self.last_plan: list = []
 
@@ -408,7 +374,7 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         with tf.device(self.devices[index]):
             out = tf.raw_ops.CollectiveReduceV2(
                 input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
-                instance_key=_instance_key(), ordering_token=self._ordering_token(index),
+                instance_key=self._keys.next(index), ordering_token=self._ordering_token(index),
                 merge_op="Add", final_op="Id", communication_hint=self.hint,
                 timeout_seconds=self.timeout_seconds,
                 max_subdivs_per_device=-1 if self.gpu else _RING_SUBDIVS)
@@ -422,7 +388,7 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         with tf.device(self.devices[index]):
             out = tf.raw_ops.CollectiveGatherV2(
                 input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
-                instance_key=_instance_key(), ordering_token=self._ordering_token(index),
+                instance_key=self._keys.next(index), ordering_token=self._ordering_token(index),
                 communication_hint=self.hint, timeout_seconds=self.timeout_seconds)
             return out if wire is t else tf.cast(out, dtype)
 
@@ -631,6 +597,11 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
                 self, container_strategy, cluster_resolver=cluster_resolver,
                 communication_options=tf.distribute.experimental.CommunicationOptions())
         self.tfdp_late_start = late
+        if late:
+            # The runtime started before (a dataset, tensor or op came first): its local devices
+            # were just renamed to this task's. Keep what was built before usable.
+            tfp.alias_former_local_devices(self._task_type, self._task_id)
+            _warn_variables_made_before()
         devs = list(self.worker_devices)
         choice = registry.choose(
             algorithm, devs, physical_gpus=len(tf.config.list_physical_devices("GPU")),
@@ -653,6 +624,25 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
             if message is None:
                 raise
             raise TfdpError(message) from None
+
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        """Initial values of a mirrored variable's copies; see ``_copy_primary_initial_value``."""
+        base = super()._get_variable_creator_initial_value(
+            replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)
+        if not _creating_inside_function():
+            return base  # eagerly (or in a TF1 graph) TF's way is right
+        if replica_id == 0:
+            self._tfdp_primary_initial_value = None  # set when the primary is initialised
+
+            def primary_initial_value():
+                value = base() if callable(base) else base
+                value = tf.convert_to_tensor(getattr(value, "wrapped_value", value),
+                                             dtype=kwargs.get("dtype"))
+                self._tfdp_primary_initial_value = value
+                return value
+            return primary_initial_value
+        return _copy_primary_initial_value(
+            base, getattr(self, "_tfdp_primary_initial_value", None), primary_var, device)
 
     # local devices: every GPU, else every logical CPU device of this worker
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -721,21 +711,68 @@ def _local_cpu_count() -> int:
 
 
 def _prepare_cpu_replicas(devices) -> None:
-    """Apply TFDP_CPU_REPLICAS without starting the TF runtime (collectives need that first)."""
-    if devices is not None or tf.config.list_physical_devices("GPU"):
-        return
-    n = devices_lib.cpu_replicas_from_env()
-    if n is None:
-        return
-    if runtime_initialized():
-        devices_lib.configure_cpu_replicas(n)  # checks the count matches, with a clear error
-        return
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    current = tf.config.get_logical_device_configuration(cpu)
-    if current is None or len(current) != n:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
-        log.info("tfdp: host CPU split into %d logical devices", n)
+    """Apply TFDP_CPU_REPLICAS without starting the TF runtime (collectives need that first),
+    also for an explicit device list (its CPU devices come from it too)."""
+    del devices
+    devices_lib.apply_cpu_replicas_env()  # a clear one-line error when it came too late
+
+
+def _warn_variables_made_before() -> None:
+    """After a late start: name the variables made before the strategy (they stay on devices
+    that are no longer local, and any use fails deep in TF), with the fix, in one line."""
+    import gc
+    stale = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, tf.Variable) and "/job:localhost/" in (obj.device or ""):
+                stale.append(obj.name)
+        except Exception:  # pylint: disable=broad-except  (half-built objects)
+            continue
+    if stale:
+        shown = ", ".join(repr(n) for n in stale[:5]) + (", ..." if len(stale) > 5 else "")
+        log.warning(
+            "tfdp: %d variable(s) were created before the multi-worker strategy and cannot be "
+            "used in this job (the collective runtime moved this worker's devices). Received: "
+            "%s. Create variables, layers, models and optimizers after "
+            "tfdp.DataParallelStrategy() (inside strategy.scope()); datasets and tensors may "
+            "come first.", len(stale), shown)
+
+
+def _creating_inside_function() -> bool:
+    """Whether a variable is being created while a ``tf.function`` is traced from eager code
+    (TF then makes it an ``UnliftedInitializerVariable`` and tries to lift its initial value
+    out of the function)."""
+    if not tf.inside_function():
+        return False
+    with tf.init_scope():
+        return tf.executing_eagerly()
+
+
+def _copy_primary_initial_value(base, primary_value, primary_var, device):
+    """Initial value of copy r > 0 of a mirrored variable created inside a ``tf.function``.
+
+    TF's (MirroredExtended) is a *read of the primary copy* (``primary_var.value()``). Inside a
+    traced function that read depends on the primary's handle, a capture of the function, so
+    ``tf.function`` cannot lift the initializers out of the function (``lift_to_graph``
+    ``UnliftableError``) and falls back to initialising inside the call (``fn_with_cond``). That
+    fallback re-captures the function's call-time captures (the per-call collective instance
+    keys of the cross-worker reduction) inside a ``tf.cond`` branch, where nothing feeds them:
+    "You must feed a value for placeholder tensor 'cond/else/.../Placeholder' with dtype int32".
+    That is what happened to optimizer slots created lazily by the first ``apply_gradients``
+    inside a ``tf.function`` custom-loop step with several replicas per worker.
+
+    Instead every copy takes the primary's initial value *tensor* (worker 0's broadcast value),
+    so every initializer lifts: the same value on every copy of every worker, as before.
+    """
+    if (primary_value is None or primary_value.graph is not tf.compat.v1.get_default_graph()
+            or primary_value.dtype != primary_var.dtype
+            or not primary_value.shape.is_compatible_with(primary_var.shape)):
+        return base  # (not this primary's value: TF's way)
+
+    def copy_initial_value():
+        with tf.device(device):
+            return tf.identity(primary_value)
+    return copy_initial_value
 
 
 def _check_cluster(cluster):
@@ -752,9 +789,11 @@ def _check_cluster(cluster):
             "cluster", cluster, what="MultiWorkerDataParallelStrategy needs a cluster of 2 or "
             "more workers", fix="Use tfdp.DataParallelStrategy for one process, or start the "
             "workers with `tfdp launch --workers N` (which sets TF_CONFIG).")
-    if not runtime_initialized():
+    if not tfp.collective_server_started():
         # TF's gRPC server binds every interface on this task's port: fail clearly if it is
-        # taken rather than with gRPC's "could not start server".
+        # taken rather than with gRPC's "could not start server" (also when the runtime
+        # started before the strategy: a dataset or op came first). Once this process's own
+        # server runs, it holds the port itself.
         _, port = split_address(cluster.address, "address")
         check_port_free("", port)
     return cluster
@@ -923,8 +962,8 @@ def _check_local_devices(worker_devices, requested):
     if missing:
         raise invalid_argument(
             "devices", requested, what=f"Device(s) {missing} do not exist on this worker",
-            valid=sorted(have), fix="Use tfdp.configure_cpu_replicas(n) (or TFDP_CPU_REPLICAS=n)"
-            " at program start-up for more CPU devices.")
+            valid=sorted(have), fix=devices_lib.more_cpu_devices_hint(
+                devices_lib.cpu_replicas_from_env()))
 
 
 __all__ = ["MultiWorkerDataParallelStrategy", "MultiWorkerReduce", "peer_failure_message"]
