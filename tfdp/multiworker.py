@@ -5,7 +5,7 @@ Each worker process runs K replicas on its own devices (its GPUs, else its logic
 ``num_replicas_in_sync == W * K``. Used exactly like ``tf.distribute.MultiWorkerMirroredStrategy``,
 with the cluster from ``TF_CONFIG`` / SLURM (``tfdp.cluster.resolve_cluster``)::
 
-    strategy = MultiWorkerDataParallelStrategy()      # at program start-up
+    strategy = MultiWorkerDataParallelStrategy()      # before models and variables
     with strategy.scope():
         model = build_model()
         model.compile(...)
@@ -61,7 +61,6 @@ from tfdp.reduce import keys, packing, registry
 from tfdp.reduce.local import _in_place, _op, _scale, tree_sum  # shared with the local one
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
-runtime_initialized = tfp.runtime_initialized
 late_collective_config = tfp.late_collective_config
 
 log = logging.getLogger("tfdp")
@@ -802,9 +801,10 @@ def _check_cluster(cluster):
 class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism over every local device of every worker process.
 
-    Create it at program start-up, before any TensorFlow op runs (TF's collective runtime must
-    be configured before the runtime starts; after ``tfdp.configure_cpu_replicas`` alone it is
-    still possible and tfdp does it, with a warning from TF).
+    Datasets, tensors and seeds may come before it (tfdp starts TF's collective runtime late
+    when needed and keeps earlier datasets working); create models and variables after it
+    (earlier variables stay on devices that are no longer local: one warning names them).
+    ``TFDP_CPU_REPLICAS`` is applied when tfdp is imported, so import tfdp before TF code runs.
 
     Args:
       cluster: a ``tfdp.cluster.ClusterInfo`` with 2 or more workers; None reads TF_CONFIG /
