@@ -206,8 +206,12 @@ def coordination_heartbeat_timeout(seconds: float):
 #   TFOptimizer._all_reduce_sum_gradients
 #       Keras's own all-reduce, which must not reduce gradients tfdp already reduced.
 #   TensorFlowTrainer._maybe_symbolic_build
-#       reduces the first distributed batch eagerly with strategy.reduce("MEAN", axis=None) to
-#       get shapes for its symbolic build (undefined for an uneven first batch).
+#       takes one batch from a first iterator over the distributed dataset and reduces it with
+#       strategy.reduce("MEAN", axis=None), only for its shapes, then discards the iterator: a
+#       one-shot Python generator loses what that iterator read ahead, and an uneven first batch
+#       cannot be reduced. tfdp gives it the dataset's element spec instead
+#       (``keras_epoch_iterator_element_spec``: TFEpochIterator._distributed_dataset, and the
+#       per-replica components of TF's PerReplicaSpec).
 
 def keras_hook_points():
     """{name: (owner, attribute)} for every Keras internal tfdp wraps (owner: class or module)."""
@@ -246,3 +250,19 @@ def wrap_keras(hooks) -> None:
         setattr(replacement, _TFDP_ORIGINAL, current)
         setattr(owner, attr, replacement)
 
+
+
+def keras_epoch_iterator_element_spec(iterator):
+    """One replica's element spec (a structure of TypeSpecs) of the distributed dataset behind a
+    Keras ``TFEpochIterator``, or None when it has none."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(s):
+        if isinstance(s, _values.PerReplicaSpec):
+            return s._value_specs[0]  # pylint: disable=protected-access
+        return s
+
+    return tf.nest.map_structure(one_replica, spec)

@@ -239,10 +239,18 @@ def in_keras_symbolic_build() -> bool:
 
 
 def _symbolic_build(original):
-    def maybe_symbolic_build(self, *args, **kwargs):
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if (iterator is not None and data_batch is None
+                and hasattr(getattr(strategy, "extended", None), "tfdp_step")):
+            # Build from the element spec: no batch is taken (a one-shot generator would lose
+            # what Keras's throw-away iterator read ahead) and no uneven batch is reduced.
+            spec = tfp.keras_epoch_iterator_element_spec(iterator)
+            if spec is not None:
+                return original(self, data_batch=spec)
         _symbolic.depth = getattr(_symbolic, "depth", 0) + 1
         try:
-            return original(self, *args, **kwargs)
+            return original(self, iterator=iterator, data_batch=data_batch)
         finally:
             _symbolic.depth -= 1
     return maybe_symbolic_build

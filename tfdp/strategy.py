@@ -355,6 +355,14 @@ class _DataParallelExtended(tfp.MirroredExtended):
                 with tf.device(c.device):
                     c.assign(m)
 
+    # --- input: never write into the user's numpy arrays -------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        # A Python-function source (Keras's PyDataset / generator adapters) hands numpy memory
+        # to TF zero-copy, and the per-replica rebatch makes it writable (tfdp.data._no_alias).
+        from tfdp.data._no_alias import no_numpy_alias
+        return super()._experimental_distribute_dataset(no_numpy_alias(dataset), options)
+
     # --- destinations ------------------------------------------------------------------------
 
     def _fill_destinations(self, value, destinations):

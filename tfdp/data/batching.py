@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdp.data._context import check_input_context, local_replicas
+from tfdp.data._no_alias import no_numpy_alias
 from tfdp.errors import TfdpError, invalid_argument
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -169,6 +170,7 @@ def split_batches(dataset: tf.data.Dataset, input_context, *,
     Returns:
       A dataset yielding ``num_replicas_in_sync // num_input_pipelines`` elements per input batch.
     """
+    dataset = no_numpy_alias(dataset)  # its split slices the batches (see that module)
     ctx = check_input_context(input_context)
     first, count = local_replicas(ctx)
     batch = _static_batch(dataset)
