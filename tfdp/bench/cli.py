@@ -1,4 +1,4 @@
-"""``tfdp bench {allreduce,fit} [options]``: the command line of :mod:`tfdp.bench`.
+"""``tfdp bench {allreduce,fit,patterns,...} [options]``: the command line of :mod:`tfdp.bench`.
 
 Arguments are validated before TensorFlow starts, the host CPU is split into ``--cpu-replicas``
 logical devices, then the benchmark runs and prints a table (progress lines go to stderr).
@@ -18,7 +18,7 @@ from tfdp.errors import TfdpError, UsageError
 # equal). Copied because importing tfdp.reduce starts TensorFlow, and usage errors should not.
 ALL_REDUCE_NAMES = ("auto", "fused", "ring", "one_device", "nccl")
 
-USAGE = "usage: tfdp bench {allreduce,fit,workers,input,sparse,scaling} [options]   (tfdp bench COMMAND --help for details)"
+USAGE = "usage: tfdp bench {allreduce,fit,patterns,workers,input,sparse,scaling} [options]   (tfdp bench COMMAND --help for details)"
 
 HELP = USAGE + """
 
@@ -32,6 +32,9 @@ commands:
              --workers N: across N local worker processes vs MultiWorkerMirroredStrategy
   fit        Keras model.fit throughput of a deep narrow MLP: tfdp vs MirroredStrategy vs one
              device; median examples/s and the ratio tfdp/MirroredStrategy
+  patterns   the user-pattern matrix: each row (clipping, custom train_step, two optimizers,
+             BatchNorm, uneven batches, mixed precision...) trained without a strategy, under
+             MirroredStrategy and under tfdp; max |dw| vs one device, tfdp replica identity
   workers    alias of 'allreduce --workers 2 --sizes 64M --compression none,fp16' (older options)
   input      sharded TFRecord input pipeline examples/s per worker vs training consumption
   sparse     Embedding-gradient (IndexedSlices) reduction, recommender shape: tfdp gather /
@@ -43,7 +46,8 @@ examples:
   tfdp bench allreduce --sizes 1K,1M,64M --json ar.json --plot busbw.png
   tfdp bench allreduce --model mlp --algorithms fused --bucket-bytes 0,262144,4194304
   tfdp bench allreduce --workers 2 --sizes 1M,16M,64M --compression none,fp16 --plot w.png
-  tfdp bench fit --cpu-replicas 4 --steps 20"""
+  tfdp bench fit --cpu-replicas 4 --steps 20
+  tfdp bench patterns --rows clipnorm_uneven,two_optimizers"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,6 +148,27 @@ def build_fit_parser():
                    help=f"rounds (default: {DEFAULTS['repeats']})")
     p.add_argument("--all-reduce", default="auto", metavar="ALG",
                    help="tfdp's all_reduce argument (default: auto)")
+    return p
+
+
+def build_patterns_parser():
+    p = _Parser(prog="tfdp bench patterns", add_help=False, allow_abbrev=False,
+                usage="tfdp bench patterns [--rows NAME,...] [--list] [--cpu-replicas K] "
+                      "[--json FILE] [--quiet]",
+                description="The user-pattern matrix (tfdp.bench.patterns, also run by "
+                            "tests/test_user_patterns.py): every row trains a tiny Keras model "
+                            "as a user writes it, without a strategy (the one-device "
+                            "reference), under tf.distribute.MirroredStrategy and under tfdp "
+                            "DataParallelStrategy on the same K CPU replicas, and prints a "
+                            "markdown table: max |dw| vs the reference (or 'crashes: ...') and "
+                            "whether tfdp's replica copies of every variable are bitwise "
+                            "identical.",
+                epilog="tfdp promises max |dw| <= 1e-5 on every row; rows marked per-replica "
+                       "semantics (plain BatchNormalization) only promise identical copies.")
+    _common_options(p)
+    p.add_argument("--rows", metavar="NAME,...",
+                   help="run only these rows (default: all; --list shows them)")
+    p.add_argument("--list", action="store_true", help="list the rows and exit")
     return p
 
 
@@ -253,6 +278,26 @@ def _parse_fit(argv):
     return p, args
 
 
+def _parse_patterns(argv):
+    from tfdp.bench.patterns import ROWS, ROWS_BY_NAME
+    p = build_patterns_parser()
+    args = p.parse_args(argv)
+    if args.help or args.list:
+        return p, args
+    _positive("--cpu-replicas", args.cpu_replicas)
+    if args.rows is None:
+        args.rows = [r.name for r in ROWS]
+    else:
+        names = _split(args.rows)
+        bad = [n for n in names if n not in ROWS_BY_NAME]
+        if bad or not names:
+            raise UsageError(f"Invalid --rows. Received: --rows {args.rows}. Valid: "
+                             f"{', '.join(ROWS_BY_NAME)} (comma-separated; see --list).")
+        args.rows = list(dict.fromkeys(names))
+    _check_writable("--json", args.json)
+    return p, args
+
+
 def _write_json(path, result):
     try:
         with open(path, "w") as f:
@@ -322,6 +367,26 @@ def main(argv: list[str]) -> int:
         if args.json:
             _write_json(args.json, result)
         return 0
+    if cmd == "patterns":
+        parser, args = _parse_patterns(rest)
+        if args.help:
+            parser.print_help()
+            return 0
+        from tfdp.bench.patterns import ROWS, ROWS_BY_NAME
+        if args.list:
+            width = max(len(r.name) for r in ROWS)
+            for r in ROWS:
+                print(f"{r.name.ljust(width)}  {r.description}")
+            return 0
+        from tfdp.bench import _common
+        devices = _common.configure_replicas(args.cpu_replicas)  # before the TF runtime starts
+        from tfdp.bench.patterns import format_patterns, run_patterns
+        result = run_patterns([ROWS_BY_NAME[n] for n in args.rows], devices,
+                              progress=not args.quiet)
+        print(format_patterns(result), flush=True)
+        if args.json:
+            _write_json(args.json, result)
+        return 0
     if cmd == "scaling":
         from tfdp.bench.scaling import main as scaling_main
         return scaling_main(rest)
@@ -343,5 +408,5 @@ def main(argv: list[str]) -> int:
         print(format_input_bench(run_input_bench()), flush=True)
         return 0
     raise UsageError(f"Unknown bench command. Received: {cmd!r}. Valid: allreduce, fit, "
-                     "workers, input, sparse, scaling. "
+                     "patterns, workers, input, sparse, scaling. "
                      "Run 'tfdp bench --help' for usage.")

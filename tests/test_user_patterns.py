@@ -1,0 +1,133 @@
+"""The user-pattern matrix (tfdp.bench.patterns): tfdp trains exactly like one device on every row.
+
+Each row trains a tiny Keras model as a user writes it (clipping, gradient accumulation, custom
+train_step with two optimizers / reversed or partial variable lists / apply_gradients,
+BatchNormalization, jit_compile, PyDataset and generators, a last batch smaller than the replica
+count, sample/class weights, two outputs, regularizers, Embedding + Adam, mixed precision,
+LossScaleOptimizer, steps_per_execution, validation + evaluate) once without a strategy and once
+under ``tfdp.DataParallelStrategy`` on the conftest's 4 CPU replicas. Asserted: max |dw| <= 1e-5,
+the row's own checks (user arrays unchanged, metrics equal...), and every replica's copy of every
+model and optimizer variable bitwise identical. Rows with per-replica semantics (plain
+BatchNormalization) assert identity only. ``tfdp bench patterns`` prints the same rows as a table
+against MirroredStrategy.
+
+A subset runs on 2 workers x 2 CPU replicas (``tfdp.testing.run_workers``); each worker compares
+with a single-device reference trained in the same worker process, outside any strategy scope.
+"""
+
+import pytest
+
+from tfdp.bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, get_row,
+                                 reference, run_row)
+from tfdp.testing import parse_results, run_workers
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+
+
+def _explain(res):
+    text = f"{res.row}: {res.summary()}"
+    if res.not_identical:
+        text += f"\nreplica copies differ: {res.not_identical[:10]}"
+    if res.traceback:
+        text += "\n" + res.traceback[-4000:]
+    return text
+
+
+def assert_exact(res):
+    assert res.error is None, _explain(res)
+    assert not res.failed_checks, _explain(res)
+    assert res.identical, _explain(res)
+    if res.per_replica:
+        return
+    assert res.max_dw <= res.tol, _explain(res)  # TOL (1e-5), float16 rows looser
+    if res.max_dvalue is not None:
+        assert res.max_dvalue <= VALUE_RTOL, _explain(res)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_row_equals_single_device(row, cpu_devices):
+    import tfdp
+    assert len(cpu_devices) == 4
+    res = run_row(row, lambda: tfdp.DataParallelStrategy(DEVICES))
+    assert_exact(res)
+
+
+def test_reference_is_deterministic():
+    """Two no-strategy runs of a row give bitwise equal weights (the comparisons mean something)."""
+    row = get_row("two_optimizers")
+    res = run_row(row, None, reference(row))
+    assert res.error is None and res.max_dw == 0.0
+
+
+# --- 2 workers x 2 CPU replicas ----------------------------------------------------------------
+
+WORKER_SCRIPT = """
+import os
+import tfdp
+strategy = tfdp.DataParallelStrategy()  # at start-up: multi-worker from the launcher's TF_CONFIG
+from tfdp.multiworker import MultiWorkerDataParallelStrategy
+assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
+import dataclasses
+from tfdp.bench.patterns import get_row, reference, run_row
+from tfdp.testing import emit_result
+row = get_row(os.environ["PATTERN_ROW"])
+ref = reference(row)  # one device, no strategy, outside any scope, in this worker process
+res = run_row(row, lambda: strategy, ref)
+emit_result(dataclasses.asdict(res), rank=strategy.cluster.rank,
+            replicas=strategy.num_replicas_in_sync)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", MULTIWORKER_ROWS)
+def test_row_two_workers_equal_single_device(name):
+    outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=200,
+                          env={"PATTERN_ROW": name, "CUDA_VISIBLE_DEVICES": ""})
+    results = parse_results(outputs)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r.pop("replicas") == 4
+        r.pop("rank")
+        assert_exact(RowResult(**r))
+    # weights bitwise identical on both workers
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+
+
+# --- tfdp bench patterns -------------------------------------------------------------------------
+
+def _bench(*args, timeout=300):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TFDP_CPU_REPLICAS", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "tfdp", "bench", "patterns", *args], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_patterns_list_and_bad_rows():
+    res = _bench("--list", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert [ln.split()[0] for ln in res.stdout.splitlines()] == [r.name for r in ROWS]
+    res = _bench("--rows", "fit_uneven,nope", timeout=60)
+    assert res.returncode == 2 and "Invalid --rows" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_patterns_one_row(tmp_path):
+    import json
+    out = tmp_path / "p.json"
+    res = _bench("--rows", "clipnorm_even", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[1/1] clipnorm_even" in res.stderr  # progress on stderr
+    table = [ln for ln in res.stdout.splitlines() if ln.startswith("|")]
+    assert table[0].startswith("| row | MirroredStrategy max\\|dw\\| | tfdp max\\|dw\\| | tfdp "
+                               "replicas identical")
+    assert len(table) == 3 and table[2].startswith("| clipnorm_even |")
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "patterns" and len(data["devices"]) == 4
+    (row,) = data["rows"]
+    for key in ("mirrored", "tfdp"):
+        assert row[key]["error"] is not None or row[key]["max_dw"] >= 0
