@@ -118,3 +118,34 @@ def test_custom_loop_with_keras_losses_is_exact_on_uneven_batches():
     s = tfdp.DataParallelStrategy(DEVS)
     m = _custom_loop(s, x, y, 25)
     assert max_diff(ref.get_weights(), m.get_weights()) <= TOL
+
+
+def _dense(strategy, jit_compile):
+    keras.utils.set_random_seed(1)
+    scope = strategy.scope() if strategy else None
+    if scope:
+        scope.__enter__()
+    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(1)])
+    m.compile(keras.optimizers.SGD(0.1, clipnorm=0.05), "mse", jit_compile=jit_compile)
+    if scope:
+        scope.__exit__(None, None, None)
+    return m
+
+
+def test_jit_compile_one_replica_exact_auto_fine_several_cpu_replicas_a_clear_error():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(100, 6)).astype("float32")
+    y = rng.normal(size=(100, 1)).astype("float32")
+    ref = _dense(None, True)
+    ref.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    one = _dense(tfdp.DataParallelStrategy(DEVS[:1]), True)
+    one.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(ref.get_weights(), one.get_weights()) <= TOL
+    auto = _dense(tfdp.DataParallelStrategy(DEVS), "auto")  # Keras resolves it to False on CPU
+    auto.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(ref.get_weights(), auto.get_weights()) <= TOL
+    jit = _dense(tfdp.DataParallelStrategy(DEVS), True)
+    with pytest.raises(ValueError, match=r"jit_compile=True cannot run on several CPU replicas"
+                                         r".*Received: .*4 replicas.*jit_compile=False"):
+        jit.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)

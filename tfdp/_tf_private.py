@@ -21,6 +21,8 @@ from tensorflow.python.distribute import values as _values
 from tensorflow.python.distribute import values_util as _values_util
 # Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
 from tensorflow.python.framework import kernels as _kernels
+# Whether the function being traced is compiled by XLA (jit_compile=True).
+from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 import contextlib
 
@@ -266,3 +268,8 @@ def keras_epoch_iterator_element_spec(iterator):
         return s
 
     return tf.nest.map_structure(one_replica, spec)
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being built (or one enclosing it) is compiled with XLA."""
+    return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())

@@ -143,7 +143,7 @@ def reduce_gradients(extended, grads, optimizer, trainable_variables=None):
     return grads
 
 
-def _zero_if_empty(grads, mask):
+def zero_if_empty(grads, mask):
     out = []
     for g in grads:
         if isinstance(g, tf.IndexedSlices):
@@ -199,7 +199,7 @@ def _apply(original):
                 # An empty replica's micro-batch adds zero to its accumulators (its batch
                 # statistics may be NaN); masking later, at the update, would also drop what
                 # the replica accumulated on earlier micro-steps.
-                grads = _zero_if_empty(grads, step.masks[replica])
+                grads = zero_if_empty(grads, step.masks[replica])
             # Keras's accumulation puts its update (merge_calls, all-reduce) in a tf.cond:
             # replica-context collectives only, for the duration of this apply.
             with extended.replica_collectives():

@@ -225,6 +225,11 @@ class _DataParallelExtended(tfp.MirroredExtended):
             # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
             return self._replica_reducer().all_reduce(
                 tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
+        if not self._use_merge_call():  # XLA on GPUs: TF's replica-context collectives
+            if masks is not None:
+                grads = gradient_path.zero_if_empty(grads, masks[tfp.current_replica_id()])
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads)
 
         def merge(strategy, *values):
             ops = strategy.extended._tfdp_reduce
@@ -242,6 +247,8 @@ class _DataParallelExtended(tfp.MirroredExtended):
             # nested: a merge_call's call_for_each_replica (e.g. LossScaleOptimizer's)
             return self._run_replicas(fn, args, kwargs)
         replicas = len(self.worker_devices) * self._num_workers_in_job()
+        if replicas > 1 and not tf.executing_eagerly() and tfp.in_xla_context():
+            self._check_xla_possible()
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
         with gradient_path.step(self, shares) as step:
@@ -250,6 +257,23 @@ class _DataParallelExtended(tfp.MirroredExtended):
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas)
         return result
+
+    def _check_xla_possible(self):
+        """XLA compiles a step for one device, with its collectives, on GPUs only."""
+        devices = [devices_lib.short_name(d) for d in self.worker_devices]
+        if all(devices_lib.is_gpu(d) for d in self.worker_devices):
+            return  # TF's XLA path: replica-context collectives, no merge_call
+        from tfdp.errors import TfdpError, message
+        raise TfdpError(message(
+            "jit_compile=True cannot run on several CPU replicas: XLA compiles the whole "
+            "train step for one device, and it cannot compile the step's collective ops for "
+            "CPU devices (TensorFlow: 'Collectives are not yet implemented for CPU devices "
+            "when compiling with XLA')",
+            f"model.compile(jit_compile=True) (or a tf.function(jit_compile=True) around "
+            f"strategy.run) with {len(devices) * self._num_workers_in_job()} replicas on "
+            f"{devices}",
+            "Fix: compile with jit_compile=False, or leave Keras's default jit_compile='auto' "
+            "(it resolves to False here); XLA runs under tfdp on GPUs, or with one replica."))
 
     def _run_replicas(self, fn, args, kwargs):
         return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
