@@ -65,6 +65,7 @@ class Step:
         # 1.0 for a replica with examples, 0.0 for an empty one: its gradients are zeroed in
         # the reduction (an empty batch can give NaN statistics, e.g. BatchNorm's mean of none).
         self.masks = None if shares is None else [tf.cast(s > 0, tf.float32) for s in shares]
+        self.padded = False  # whether empty replicas got one example (strategy's padding)
         self.applies: dict[int, _Apply] = {}
         self.optimizers: list = []
 

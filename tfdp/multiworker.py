@@ -584,6 +584,7 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
         self._tfdp_requested_devices = local_devices
         self.tfdp_step = None
         self._tfdp_state_vars = []
+        self._tfdp_on_read_vars = []
         if heartbeat_timeout:
             # TF's Python health-check thread, used only where no coordination service runs:
             # a peer is declared down after about interval + retries * timeout.

@@ -207,6 +207,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
         self._tfdp_no_merge = 0  # > 0: replica-context collectives only (no merge_call)
         self._tfdp_replica_reduce = None
         self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
+        self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
         self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
         gradient_path.install()
         self._replica_reducer()  # now, outside any strategy scope (it creates variables)
@@ -251,12 +252,98 @@ class _DataParallelExtended(tfp.MirroredExtended):
             self._check_xla_possible()
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
+        padded = None
+        if shares is not None and not tf.executing_eagerly():
+            live = [s > 0 for s in shares]
+            args, padded = self._pad_empty_replicas(args, live)
+            if padded:
+                saved = self._read_on_read_state()
         with gradient_path.step(self, shares) as step:
+            step.padded = bool(padded)
             result = self._run_replicas(fn, args, kwargs)
+        if padded:
+            self._restore_on_read_state(saved, live)
+            result = tf.nest.map_structure(lambda v: self._trim_padded(v, live), result)
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas)
         return result
+
+    # --- empty replicas: one real example, share 0, nothing counted ---------------------------
+    #
+    # A global batch smaller than the replica count leaves replicas with empty batches, and TF's
+    # oneDNN kernels (the CPU default) cannot take those: graph-mode MaxPoolGrad aborts the
+    # process (tensor.cc Check failed), Conv2D returns a wrong shape (ReluGrad / BiasAdd shape
+    # errors), with or without a strategy. So in a step whose batch size is not static an empty
+    # replica gets one example (a real one from a replica that has some, else zeros), selected
+    # by a tf.cond only when it is empty; its share stays 0, so its loss and gradients are
+    # exactly zero; its replica-context all-reduce inputs (SyncBatchNorm's sums and counts) are
+    # zeroed; its metric updates (ON_READ variables: Keras metrics and loss trackers) are undone;
+    # and its per-example outputs (predict) are cut back to 0 rows.
+
+    def _components(self, leaf):
+        if tfp.is_distributed_values(leaf):
+            comps = list(leaf.values)
+        elif isinstance(leaf, tf.Tensor) and len(self.worker_devices) == 1:
+            comps = [leaf]
+        else:
+            return None
+        if len(comps) != len(self.worker_devices) or not all(
+                isinstance(c, tf.Tensor) and c.shape.rank and c.shape[0] is None for c in comps):
+            return None
+        return comps
+
+    def _regroup(self, leaf, comps):
+        return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
+
+    def _pad_empty_replicas(self, args, live):
+        padded = []
+
+        def pad(leaf):
+            comps = self._components(leaf)
+            if comps is None:
+                return leaf
+            out = []
+            for c, ok, d in zip(comps, live, self.worker_devices):
+                with tf.device(d):
+                    def donor(c=c):
+                        rest = tf.shape(c)[1:]
+                        rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], rest], 0),
+                                                                  c.dtype)]
+                        return tf.concat(rows, 0)[:1]
+                    out.append(tf.cond(ok, lambda c=c: tf.identity(c), donor))
+            padded.append(leaf)
+            return self._regroup(leaf, out)
+
+        return tf.nest.map_structure(pad, args), padded
+
+    def _read_on_read_state(self):
+        saved = []
+        for ref in self._tfdp_on_read_vars:
+            v = ref()
+            if v is not None:
+                vals = []
+                for c in v.values:
+                    with tf.device(c.device):
+                        vals.append(c.read_value())
+                saved.append((v, vals))
+        return saved
+
+    def _restore_on_read_state(self, saved, live):
+        for v, vals in saved:
+            for c, old, ok in zip(v.values, vals, live):
+                with tf.device(c.device):
+                    c.assign(tf.where(ok, c.read_value(), old))
+
+    def _trim_padded(self, leaf, live):
+        comps = self._components(leaf)
+        if comps is None:
+            return leaf
+        out = []
+        for c, ok, d in zip(comps, live, self.worker_devices):
+            with tf.device(d):
+                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: c[:0]))
+        return self._regroup(leaf, out)
 
     def _check_xla_possible(self):
         """XLA compiles a step for one device, with its collectives, on GPUs only."""
@@ -342,6 +429,9 @@ class _DataParallelExtended(tfp.MirroredExtended):
         if (tfp.is_distributed_values(v) and v.dtype.is_floating and not v.trainable
                 and v.aggregation == tf.VariableAggregation.NONE):
             self._tfdp_state_vars.append(weakref.ref(v))
+        if (tfp.is_distributed_values(v)
+                and v.synchronization == tf.VariableSynchronization.ON_READ):
+            self._tfdp_on_read_vars.append(weakref.ref(v))
         return v
 
     def _sync_layer_state(self, shares, replicas):
@@ -408,4 +498,13 @@ class _DataParallelExtended(tfp.MirroredExtended):
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         value_destination_pairs = [(v, self._fill_destinations(v, d))
                                    for v, d in value_destination_pairs]
+        step = self.tfdp_step
+        if (step is not None and step.padded and step.masks is not None
+                and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
+                == tf.distribute.ReduceOp.SUM):
+            # a replica-context all-reduce (SyncBatchNorm's sums and counts) in a step with a
+            # padded replica: that replica adds nothing
+            pairs = [(v if tfp.is_distributed_values(v) else tfp.PerReplica((v,)), d)
+                     for v, d in value_destination_pairs]
+            return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, step.masks)
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
