@@ -674,27 +674,10 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
     def _num_workers_in_job(self) -> int:
         return self._num_workers
 
-    def _replica_shares(self, args):
-        """n_r / sum(n), the sum over all N replicas of all workers (one collective of the
-        worker's example count per step)."""
-        k = len(self.worker_devices)
-        for leaf in tf.nest.flatten(args):
-            if k == 1 and isinstance(leaf, tf.Tensor):
-                leaf = tfp.PerReplica((leaf,))  # one device per worker: values are not wrapped
-            if not tfp.is_distributed_values(leaf):
-                continue
-            comps = list(leaf.values)
-            if len(comps) != k or not all(isinstance(c, tf.Tensor) and c.shape.rank
-                                          for c in comps):
-                continue
-            sizes = []
-            for c, d in zip(comps, self.worker_devices):
-                with tf.device(d):
-                    sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
-            with tf.device(self.worker_devices[0]):
-                total = self._tfdp_reduce.cross_worker_sum(tf.math.add_n(sizes), 0)
-            return [tf.math.divide_no_nan(s, total) for s in sizes]
-        return None
+    def _total_examples(self, local_total):
+        """The job's example count this step: one cross-worker sum of the worker's count."""
+        with tf.device(self.worker_devices[0]):
+            return self._tfdp_reduce.cross_worker_sum(local_total, 0)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if len(self.worker_devices) == 1:  # plain tensors: wrap, so the weighted path sees them

@@ -194,7 +194,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
     """MirroredExtended with tfdp's reduction, replica shares and layer-state sync.
 
     The multi-worker extended (``tfdp.multiworker``) derives from this class too; what differs
-    between them is ``_num_workers_in_job`` and ``_replica_shares`` (a cross-worker count).
+    between them is ``_num_workers_in_job`` and ``_total_examples`` (a cross-worker count).
     """
 
     def __init__(self, container_strategy, devices, cross_device_ops):
@@ -281,7 +281,9 @@ class _DataParallelExtended(tfp.MirroredExtended):
     # zeroed; its metric updates (ON_READ variables: Keras metrics and loss trackers) are undone;
     # and its per-example outputs (predict) are cut back to 0 rows.
 
-    def _components(self, leaf):
+    def _components(self, leaf, dynamic_only=True):
+        """The local replicas' tensors of a batched value (rank >= 1; with ``dynamic_only``, of
+        unknown batch size), else None. With one device per process values are plain tensors."""
         if tfp.is_distributed_values(leaf):
             comps = list(leaf.values)
         elif isinstance(leaf, tf.Tensor) and len(self.worker_devices) == 1:
@@ -289,31 +291,40 @@ class _DataParallelExtended(tfp.MirroredExtended):
         else:
             return None
         if len(comps) != len(self.worker_devices) or not all(
-                isinstance(c, tf.Tensor) and c.shape.rank and c.shape[0] is None for c in comps):
+                isinstance(c, tf.Tensor) and c.shape.rank
+                and (c.shape[0] is None or not dynamic_only) for c in comps):
             return None
         return comps
 
     def _regroup(self, leaf, comps):
         return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
 
+    def _per_replica_select(self, leaf, live, if_empty):
+        """``leaf`` with replica r's component replaced by ``if_empty(c)`` where it is empty
+        (a tf.cond per replica; None when ``leaf`` is not a dynamic-size batch)."""
+        comps = self._components(leaf)
+        if comps is None:
+            return None
+        out = []
+        for c, ok, d in zip(comps, live, self.worker_devices):
+            with tf.device(d):
+                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: if_empty(c, comps)))
+        return self._regroup(leaf, out)
+
     def _pad_empty_replicas(self, args, live):
         padded = []
 
+        def donor(c, comps):  # one real example from a replica that has some, else zeros
+            rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], tf.shape(c)[1:]], 0),
+                                                      c.dtype)]
+            return tf.concat(rows, 0)[:1]
+
         def pad(leaf):
-            comps = self._components(leaf)
-            if comps is None:
+            out = self._per_replica_select(leaf, live, donor)
+            if out is None:
                 return leaf
-            out = []
-            for c, ok, d in zip(comps, live, self.worker_devices):
-                with tf.device(d):
-                    def donor(c=c):
-                        rest = tf.shape(c)[1:]
-                        rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], rest], 0),
-                                                                  c.dtype)]
-                        return tf.concat(rows, 0)[:1]
-                    out.append(tf.cond(ok, lambda c=c: tf.identity(c), donor))
             padded.append(leaf)
-            return self._regroup(leaf, out)
+            return out
 
         return tf.nest.map_structure(pad, args), padded
 
@@ -336,14 +347,8 @@ class _DataParallelExtended(tfp.MirroredExtended):
                     c.assign(tf.where(ok, c.read_value(), old))
 
     def _trim_padded(self, leaf, live):
-        comps = self._components(leaf)
-        if comps is None:
-            return leaf
-        out = []
-        for c, ok, d in zip(comps, live, self.worker_devices):
-            with tf.device(d):
-                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: c[:0]))
-        return self._regroup(leaf, out)
+        out = self._per_replica_select(leaf, live, lambda c, _: c[:0])
+        return leaf if out is None else out
 
     def _check_xla_possible(self):
         """XLA compiles a step for one device, with its collectives, on GPUs only."""
@@ -369,19 +374,22 @@ class _DataParallelExtended(tfp.MirroredExtended):
         return 1
 
     def _replica_shares(self, args):
-        """n_r / sum(n): replica r's share of the global batch (its first batched input)."""
-        n = len(self.worker_devices)
+        """n_r / sum(n): replica r's share of the global batch (its first batched input; the
+        sum over every replica of the job, ``_total_examples``)."""
         for leaf in tf.nest.flatten(args):
-            if not tfp.is_distributed_values(leaf):
+            comps = self._components(leaf, dynamic_only=False)
+            if comps is None:
                 continue
-            comps = list(leaf.values)
-            if len(comps) != n or not all(isinstance(c, tf.Tensor) and c.shape.rank
-                                          for c in comps):
-                continue
-            sizes = [tf.cast(tf.shape(c)[0], tf.float32) for c in comps]
-            total = tf.math.add_n(sizes)
+            sizes = []
+            for c, d in zip(comps, self.worker_devices):
+                with tf.device(d):
+                    sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
+            total = self._total_examples(tf.math.add_n(sizes))
             return [tf.math.divide_no_nan(s, total) for s in sizes]
         return None
+
+    def _total_examples(self, local_total):
+        return local_total
 
     # --- replica-context collectives (gradient accumulation) ---------------------------------
 
