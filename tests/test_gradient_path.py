@@ -30,6 +30,19 @@ def test_every_hooked_keras_name_exists_in_the_installed_keras():
         assert callable(where[attr])
 
 
+def test_other_private_names_used_by_tfdp_exist():
+    ds = tf.data.Dataset.range(3).map(lambda v: v + 1)
+    assert len(tfp.dataset_inputs(ds)) == 1 and len(tfp.dataset_functions(ds)) == 1
+    s = tfdp.DataParallelStrategy(DEVS[:2])
+    dist = s.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+
+    class _EpochIterator:  # what Keras's TFEpochIterator holds
+        _distributed_dataset = dist
+    spec = tfp.keras_epoch_iterator_element_spec(_EpochIterator())
+    assert isinstance(spec, tf.TensorSpec) and spec.dtype == tf.int64
+    assert tfp.in_xla_context() is False
+
+
 def test_hooks_are_installed_once_and_keep_the_original():
     tfdp.DataParallelStrategy(DEVS[:2])
     tfdp.DataParallelStrategy(DEVS[:2])

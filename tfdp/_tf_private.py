@@ -273,3 +273,15 @@ def keras_epoch_iterator_element_spec(iterator):
 def in_xla_context() -> bool:
     """Whether the graph being built (or one enclosing it) is compiled with XLA."""
     return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# tf.data's pipeline structure (tfdp.data._no_alias walks it to find Python-function sources).
+
+def dataset_inputs(dataset):
+    """The datasets ``dataset`` reads from (``tf.data.Dataset._inputs``)."""
+    return dataset._inputs()  # pylint: disable=protected-access
+
+
+def dataset_functions(dataset):
+    """The traced functions of ``dataset``'s transformation (``tf.data.Dataset._functions``)."""
+    return dataset._functions()  # pylint: disable=protected-access

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdp import _tf_private as tfp
+
 # Ops that run Python and return its numpy results to TF (zero-copy when aligned).
 _PY_FUNC_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
@@ -81,10 +83,10 @@ def may_alias_numpy(dataset) -> bool:
             seen.add(id(ds))
             if type(ds).__name__ in _FRESH_BUFFER_DATASETS or getattr(ds, _COPIED, False):
                 continue  # fresh buffers, whatever is above
-            for wrapper in ds._functions():  # pylint: disable=protected-access
+            for wrapper in tfp.dataset_functions(ds):
                 if _function_ops(wrapper) & _PY_FUNC_OPS:
                     return True
-            stack.extend(ds._inputs())  # pylint: disable=protected-access
+            stack.extend(tfp.dataset_inputs(ds))
     except Exception:  # pylint: disable=broad-except  # private API changed: assume the worst
         return True
     return False
