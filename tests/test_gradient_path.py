@@ -133,32 +133,98 @@ def test_custom_loop_with_keras_losses_is_exact_on_uneven_batches():
     assert max_diff(ref.get_weights(), m.get_weights()) <= TOL
 
 
-def _dense(strategy, jit_compile):
+def _conv(strategy, jit_compile, sync_bn=False, model_class=None, optimizer=None):
     keras.utils.set_random_seed(1)
     scope = strategy.scope() if strategy else None
     if scope:
         scope.__enter__()
-    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                          keras.layers.Dense(1)])
-    m.compile(keras.optimizers.SGD(0.1, clipnorm=0.05), "mse", jit_compile=jit_compile)
+    layers = [keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+              keras.layers.MaxPooling2D()]
+    if sync_bn:
+        layers.append(keras.layers.BatchNormalization(synchronized=True))
+    layers += [keras.layers.Flatten(), keras.layers.Dense(3)]
+    m = (model_class or keras.Sequential)(layers)
+    m.compile(optimizer() if optimizer else keras.optimizers.Adam(1e-2, clipnorm=0.1),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"], jit_compile=jit_compile)
     if scope:
         scope.__exit__(None, None, None)
     return m
 
 
-def test_jit_compile_one_replica_exact_auto_fine_several_cpu_replicas_a_clear_error():
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(100, 6)).astype("float32")
-    y = rng.normal(size=(100, 1)).astype("float32")
-    ref = _dense(None, True)
-    ref.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
-    one = _dense(tfdp.DataParallelStrategy(DEVS[:1]), True)
-    one.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+def _conv_data():
+    rng = np.random.default_rng(0)
+    # 101 examples in batches of 25 over 4 replicas: 7,6,6,6 and a last batch of 1
+    return (rng.normal(size=(101, 8, 8, 1)).astype("float32"),
+            rng.integers(0, 3, size=(101,)).astype("int32"))
+
+
+def _fit_evaluate_predict(m, x, y):
+    h = m.fit(x, y, batch_size=25, epochs=2, shuffle=False, verbose=0)
+    return h.history, m.evaluate(x, y, batch_size=25, verbose=0), m.predict(
+        x, batch_size=25, verbose=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adam_clipnorm", "sgd_accumulate"])
+def test_jit_compile_on_cpu_replicas_equals_one_device(optimizer):
+    # XLA cannot compile CPU collectives: tfdp compiles each replica's step (forward, backward,
+    # metrics) and reduces/updates after it; equal to one device compiling the whole step.
+    opt = {"adam_clipnorm": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.1),
+           "sgd_accumulate": lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)}
+    x, y = _conv_data()
+    ref = _conv(None, True, optimizer=opt[optimizer])
+    ref_out = _fit_evaluate_predict(ref, x, y)
+    s = tfdp.DataParallelStrategy(DEVS)
+    m = _conv(s, True, optimizer=opt[optimizer])
+    out = _fit_evaluate_predict(m, x, y)
+    assert max_diff(ref.get_weights(), m.get_weights()) <= TOL
+    for key in ref_out[0]:
+        np.testing.assert_allclose(out[0][key], ref_out[0][key], rtol=1e-5)
+    np.testing.assert_allclose(out[1], ref_out[1], rtol=1e-5)
+    assert out[2].shape == ref_out[2].shape == (101, 3)
+    np.testing.assert_allclose(out[2], ref_out[2], atol=1e-5)
+
+
+def test_jit_compile_one_replica_and_auto():
+    x, y = _conv_data()
+    ref = _conv(None, True)
+    ref.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
+    one = _conv(tfdp.DataParallelStrategy(DEVS[:1]), True)
+    one.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
     assert max_diff(ref.get_weights(), one.get_weights()) <= TOL
-    auto = _dense(tfdp.DataParallelStrategy(DEVS), "auto")  # Keras resolves it to False on CPU
-    auto.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    auto = _conv(tfdp.DataParallelStrategy(DEVS), "auto")  # Keras resolves it to False on CPU
+    auto.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
     assert max_diff(ref.get_weights(), auto.get_weights()) <= TOL
-    jit = _dense(tfdp.DataParallelStrategy(DEVS), True)
-    with pytest.raises(ValueError, match=r"jit_compile=True cannot run on several CPU replicas"
-                                         r".*Received: .*4 replicas.*jit_compile=False"):
-        jit.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+
+
+class CustomStepModel(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("case", ["sync_batchnorm", "custom_train_step", "wrapping_function"])
+def test_jit_compile_where_xla_cannot_run_is_one_clear_error(case):
+    x, y = _conv_data()
+    s = tfdp.DataParallelStrategy(DEVS)
+    what = {"sync_batchnorm": "replica-context all-reduce",
+            "custom_train_step": "a custom train_step",
+            "wrapping_function": "around strategy.run"}[case]
+    # (around a user's own tf.function, TF's autograph wraps the error in a StagingError)
+    error = Exception if case == "wrapping_function" else ValueError
+    with pytest.raises(error, match=rf"jit_compile=True cannot run here: XLA cannot compile "
+                                         rf"collective ops for CPU devices.*{what}.*Received: .*"
+                                         rf"4 replicas.*Fix: compile with jit_compile=False"):
+        if case == "wrapping_function":
+            v = s.experimental_distribute_values_from_function(lambda ctx: tf.ones([2]))
+            tf.function(lambda: s.run(
+                lambda t: tf.distribute.get_replica_context().all_reduce("SUM", t), (v,)),
+                jit_compile=True)()
+        else:
+            m = _conv(s, True, sync_bn=case == "sync_batchnorm",
+                      model_class=CustomStepModel if case == "custom_train_step" else None)
+            m.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)

@@ -207,6 +207,10 @@ def coordination_heartbeat_timeout(seconds: float):
 #       gradient-accumulation update branch: reduce there when accumulating.
 #   TFOptimizer._all_reduce_sum_gradients
 #       Keras's own all-reduce, which must not reduce gradients tfdp already reduced.
+#   TensorFlowTrainer._make_function (and its _jit_compile attribute)
+#       builds the train/test/predict function, XLA-compiled as a whole with jit_compile=True:
+#       on several CPU replicas tfdp compiles each replica's step instead (XLA cannot compile
+#       CPU collectives).
 #   TensorFlowTrainer._maybe_symbolic_build
 #       takes one batch from a first iterator over the distributed dataset and reduces it with
 #       strategy.reduce("MEAN", axis=None), only for its shapes, then discards the iterator: a
@@ -229,7 +233,14 @@ def keras_hook_points():
         "clip_gradients": (base_optimizer.BaseOptimizer, "_clip_gradients"),
         "all_reduce_sum_gradients": (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients"),
         "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
+        "make_function": (tf_trainer.TensorFlowTrainer, "_make_function"),
     }
+
+
+def keras_builtin_train_step():
+    """Keras's own ``TensorFlowTrainer.train_step`` (the function, to compare with)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    return tf_trainer.TensorFlowTrainer.train_step
 
 
 _TFDP_ORIGINAL = "__tfdp_original__"

@@ -66,6 +66,9 @@ class Step:
         # the reduction (an empty batch can give NaN statistics, e.g. BatchNorm's mean of none).
         self.masks = None if shares is None else [tf.cast(s > 0, tf.float32) for s in shares]
         self.padded = False  # whether empty replicas got one example (strategy's padding)
+        # local replica id -> [(optimizer, grads, variables)] while that replica's XLA-compiled
+        # step is traced: its optimizer updates wait until the compiled part has returned
+        self.deferred: dict[int, list] = {}
         self.applies: dict[int, _Apply] = {}
         self.optimizers: list = []
 
@@ -185,6 +188,9 @@ def _apply(original):
             # (nested: a LossScaleOptimizer calling its inner optimizer's apply)
             return original(self, grads, trainable_variables)
         extended, step, replica = cur
+        if replica in step.deferred:  # inside this replica's XLA-compiled step: apply later
+            step.deferred[replica].append((self, list(grads), trainable_variables))
+            return None
         accumulate = accumulation_steps(self) is not None
         scope = _Apply(self, accumulate)
         step.applies[replica] = scope
@@ -257,6 +263,71 @@ def _symbolic_build(original):
     return maybe_symbolic_build
 
 
+class _ReplicaXlaStep:
+    """Keras's step with ``jit_compile=True`` on several CPU replicas: XLA compiles each
+    replica's step on its own device (one compiled function per replica), while the gradient
+    all-reduce and the optimizer update, which XLA cannot compile for CPU devices, run after the
+    compiled part in the replica's context. Only for steps in which nothing after
+    ``optimizer.apply`` depends on the update: Keras's own ``train_step`` (its metrics use the
+    predictions made before the update), and test / predict steps."""
+
+    def __init__(self, step_function):
+        self.step_function = step_function
+        self.compiled = {}  # local replica id -> tf.function(jit_compile=True)
+        self.applies = {}   # local replica id -> [(optimizer, n_grads, variables)]
+
+    def __call__(self, data):
+        extended, step, replica = _current()
+        fn = self.compiled.get(replica)
+        if fn is None:
+            fn = self.compiled[replica] = tf.function(
+                lambda d, r=replica: self._compiled_body(d, r), jit_compile=True,
+                reduce_retracing=True)
+        extended.tfdp_xla_refusal = None
+        try:
+            logs, grads = fn(data)
+        except Exception:
+            if extended.tfdp_xla_refusal is not None:  # (autograph wrapped it in StagingError)
+                raise extended.tfdp_xla_refusal from None
+            raise
+        i = 0
+        for optimizer, n, variables in self.applies[replica]:
+            optimizer.apply(grads[i:i + n], variables)
+            i += n
+        return logs
+
+    def _compiled_body(self, data, replica):
+        step = _current()[1]
+        step.deferred[replica] = deferred = []
+        try:
+            logs = self.step_function(data)
+        finally:
+            del step.deferred[replica]
+        self.applies[replica] = [(o, len(g), v) for o, g, v in deferred]
+        return logs, [g for _, grads, _ in deferred for g in grads]
+
+
+def _make_function(original):
+    def make_function(self, step_function):
+        strategy = self.distribute_strategy
+        extended = getattr(strategy, "extended", None)
+        if not (self.jit_compile and hasattr(extended, "tfdp_step")
+                and not extended.whole_step_xla_possible()):
+            return original(self, step_function)
+        if (step_function == self.train_step
+                and getattr(step_function, "__func__", None) is not tfp.keras_builtin_train_step()):
+            extended.refuse_xla("a custom train_step (tfdp compiles each replica's step with "
+                                "its optimizer updates outside XLA, which only Keras's own "
+                                "train_step allows)")
+        previous = self._jit_compile
+        self._jit_compile = False  # the outer step is not compiled: each replica's is
+        try:
+            return original(self, _ReplicaXlaStep(step_function))
+        finally:
+            self._jit_compile = previous
+    return make_function
+
+
 _HOOKS = {
     "scale_loss": _scale_loss,
     "unscale_loss": _unscale_loss,
@@ -265,6 +336,7 @@ _HOOKS = {
     "clip_gradients": _clip_gradients,
     "all_reduce_sum_gradients": _all_reduce_sum_gradients,
     "symbolic_build": _symbolic_build,
+    "make_function": _make_function,
 }
 _installed = False
 _install_lock = threading.Lock()

@@ -666,6 +666,7 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
         return not self._tfdp_no_merge
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        self._refuse_all_reduce_in_xla()
         if self._tfdp_no_merge and not tf.executing_eagerly():
             return strategy_lib._DataParallelExtended._replica_ctx_all_reduce(
                 self, reduce_op, value, options)

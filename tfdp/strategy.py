@@ -209,6 +209,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
         self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
         self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
         self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
+        self.tfdp_xla_refusal = None  # the error refuse_xla raised (autograph wraps it)
         gradient_path.install()
         self._replica_reducer()  # now, outside any strategy scope (it creates variables)
 
@@ -350,22 +351,36 @@ class _DataParallelExtended(tfp.MirroredExtended):
         out = self._per_replica_select(leaf, live, lambda c, _: c[:0])
         return leaf if out is None else out
 
-    def _check_xla_possible(self):
-        """XLA compiles a step for one device, with its collectives, on GPUs only."""
-        devices = [devices_lib.short_name(d) for d in self.worker_devices]
-        if all(devices_lib.is_gpu(d) for d in self.worker_devices):
-            return  # TF's XLA path: replica-context collectives, no merge_call
+    def whole_step_xla_possible(self) -> bool:
+        """Whether XLA can compile a whole step with its collectives: one replica, or GPUs."""
+        replicas = len(self.worker_devices) * self._num_workers_in_job()
+        return replicas == 1 or all(devices_lib.is_gpu(d) for d in self.worker_devices)
+
+    def refuse_xla(self, what):
         from tfdp.errors import TfdpError, message
-        raise TfdpError(message(
-            "jit_compile=True cannot run on several CPU replicas: XLA compiles the whole "
-            "train step for one device, and it cannot compile the step's collective ops for "
-            "CPU devices (TensorFlow: 'Collectives are not yet implemented for CPU devices "
-            "when compiling with XLA')",
-            f"model.compile(jit_compile=True) (or a tf.function(jit_compile=True) around "
-            f"strategy.run) with {len(devices) * self._num_workers_in_job()} replicas on "
+        devices = [devices_lib.short_name(d) for d in self.worker_devices]
+        self.tfdp_xla_refusal = TfdpError(message(
+            f"jit_compile=True cannot run here: XLA cannot compile collective ops for CPU "
+            f"devices (TensorFlow: 'Collectives are not yet implemented for CPU devices when "
+            f"compiling with XLA'), and {what} needs one inside the compiled step",
+            f"jit_compile=True with {len(devices) * self._num_workers_in_job()} replicas on "
             f"{devices}",
             "Fix: compile with jit_compile=False, or leave Keras's default jit_compile='auto' "
-            "(it resolves to False here); XLA runs under tfdp on GPUs, or with one replica."))
+            "(it resolves to False here); with Keras's own train_step, plain BatchNorm and no "
+            "wrapping tf.function, tfdp compiles each replica's step."))
+        raise self.tfdp_xla_refusal
+
+    def _refuse_all_reduce_in_xla(self):
+        if self.tfdp_step is not None and self.tfdp_step.deferred:
+            self.refuse_xla("a replica-context all-reduce in the step (e.g. "
+                            "BatchNormalization(synchronized=True))")
+
+    def _check_xla_possible(self):
+        """A whole strategy.run inside one XLA function: possible on GPUs only."""
+        if not self.whole_step_xla_possible():
+            self.refuse_xla("a tf.function(jit_compile=True) around strategy.run (tfdp "
+                            "compiles each replica's step only for Keras's compile(jit_compile="
+                            "True))")
 
     def _run_replicas(self, fn, args, kwargs):
         return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
@@ -404,8 +419,8 @@ class _DataParallelExtended(tfp.MirroredExtended):
             self._tfdp_no_merge -= 1
 
     def _use_merge_call(self):
-        if self._tfdp_no_merge:
-            return False
+        if self._tfdp_no_merge or (self.tfdp_step is not None and self.tfdp_step.deferred):
+            return False  # (inside an XLA-compiled replica step: no merge_call can run there)
         return super()._use_merge_call()
 
     def _get_cross_device_ops(self, value):
@@ -423,6 +438,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
         return self._tfdp_replica_reduce
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        self._refuse_all_reduce_in_xla()
         if not self._tfdp_no_merge or tf.executing_eagerly():
             return super()._replica_ctx_all_reduce(reduce_op, value, options)
         replica_id = tfp.current_replica_id()

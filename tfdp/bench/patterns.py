@@ -62,7 +62,6 @@ class Row:
     train: Callable[[Any], Trained]     # train(strategy or None) -> Trained
     per_replica: bool = False           # per-replica semantics: only replica identity checked
     tol: float = TOL                    # max |dw| allowed (TOL except for float16 compute)
-    refuses: str | None = None          # regex of the clear error tfdp raises by design here
 
 
 @dataclasses.dataclass
@@ -79,14 +78,10 @@ class RowResult:
     weights_sha256: str | None = None   # digest of the strategy run's weights
     seconds: float = 0.0
     traceback: str | None = None
-    refused: str | None = None          # the row's by-design clear error, when it was raised
 
     @property
     def exact(self) -> bool:
-        """What the test asserts: exact where the row promises it, identical copies always
-        (or, for a row that tfdp refuses by design, exactly that clear error)."""
-        if self.refused:
-            return True
+        """What the test asserts: exact where the row promises it, identical copies always."""
         if self.error or self.failed_checks or not self.identical:
             return False
         if self.per_replica:
@@ -95,8 +90,6 @@ class RowResult:
                 and (self.max_dvalue is None or self.max_dvalue <= VALUE_RTOL))
 
     def summary(self) -> str:
-        if self.refused:
-            return self.refused
         if self.error:
             return self.error
         parts = [f"max|dw| {fmt(self.max_dw)}"]
@@ -554,10 +547,8 @@ ROWS += [
         _batchnorm("sync")),
     Row("batchnorm_uneven", "plain BatchNormalization; uneven (per-replica semantics: only "
         "replica identity checked)", _batchnorm("plain"), per_replica=True),
-    Row("jit_compile", "compile(jit_compile=True); uneven (XLA cannot compile collectives for "
-        "CPU devices: tfdp refuses several CPU replicas with a clear error at the first step)",
-        _jit, refuses=r"jit_compile=True cannot run on several CPU replicas.*Fix: compile with "
-                      r"jit_compile=False"),
+    Row("jit_compile", "compile(jit_compile=True); uneven (XLA cannot compile CPU collectives: "
+        "tfdp compiles each replica's step, then reduces and updates)", _jit),
     Row("fit_pydataset", "fit(keras.utils.PyDataset subclass), batches 50 (uneven); user arrays "
         "unchanged", _input_kind("pydataset")),
     Row("fit_generator", "fit(Python generator, steps_per_epoch=5), batches 50 (uneven); user "
@@ -696,10 +687,6 @@ def run_row(row: Row, strategy_factory, ref: Trained | None = None) -> RowResult
         trained = row.train(strategy)
     except Exception as e:  # noqa: BLE001 - the point is to report it
         import traceback
-        if row.refuses and strategy_factory is not None and re.search(row.refuses, str(e)):
-            res.refused = "refused (clear error): " + format_error(e).split(": ", 2)[-1]
-            res.seconds = time.perf_counter() - t0
-            return res
         res.error = format_error(e)
         res.traceback = traceback.format_exc()
         res.seconds = time.perf_counter() - t0
@@ -759,8 +746,6 @@ def run_patterns(rows: list[Row], devices: list[str], progress: bool = True) -> 
 
 
 def _cell_dw(r: dict) -> str:
-    if r.get("refused"):
-        return r["refused"]
     if r.get("error"):
         return r["error"]
     s = fmt(r["max_dw"])
