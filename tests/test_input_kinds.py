@@ -151,7 +151,10 @@ def test_tf_aliasing_is_reproduced_by_this_setup():
     ``y`` (a TF bug, see tfdp/data/_no_alias.py), so the tests above can see the failure."""
     x, y = aligned(X), aligned(Y)
     y_before = y.copy()
-    st = tf.distribute.MirroredStrategy(DEVICES)
+    # (ReductionToOneDevice: TF's default CollectiveAllReduce reuses group keys across
+    # MirroredStrategy instances, and a clash aborts every collective of this test process)
+    st = tf.distribute.MirroredStrategy(
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
     with st.scope():
         model = build()
     model.fit(ViewSequence(x, y, 48), shuffle=False, epochs=EPOCHS, verbose=0)

@@ -716,7 +716,11 @@ def run_patterns(rows: list[Row], devices: list[str], progress: bool = True) -> 
     from tfdp.bench import _common
     from tfdp.strategy import DataParallelStrategy
     contenders = {
-        "mirrored": lambda: tf.distribute.MirroredStrategy(devices),
+        # ReductionToOneDevice: MirroredStrategy's CPU default (CollectiveAllReduce) reuses
+        # group keys across instances in one process, and a clash aborts every collective of
+        # the process (tfdp's too); the reducer does not change MirroredStrategy's semantics.
+        "mirrored": lambda: tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()),
         "tfdp": lambda: DataParallelStrategy(devices),
     }
     results = []
