@@ -1,7 +1,7 @@
 """tfdp's gradient path: why N replicas train exactly like one device on the whole global batch.
 
-Keras 3 on TensorFlow decides two things that tf.distribute strategies get wrong, and tfdp acts
-at exactly those two places (the Keras internals involved are listed, and checked against the
+Keras 3 on TensorFlow decides three things that tf.distribute strategies get wrong, and tfdp acts
+at exactly those places (the Keras internals involved are listed, and checked against the
 installed Keras, in ``tfdp._tf_private.keras_hook_points``):
 
 1. **The loss carries each replica's share of the batch.** Every Keras loss passes through
@@ -30,6 +30,13 @@ installed Keras, in ``tfdp._tf_private.keras_hook_points``):
    branch (a ``tf.cond``), through replica-context collectives, one reduction per k micro-steps
    (``tfdp.reduce.collective``). A ``LossScaleOptimizer`` always reduces on entry (its finite
    check must see the global gradient, or replicas could take different branches).
+
+3. **XLA on CPU replicas** (``compile(jit_compile=True)``). Keras compiles the whole multi-replica
+   step as one XLA function, which cannot hold ops of several CPU devices nor CPU collectives.
+   ``_ReplicaXlaStep`` compiles each replica's step on its own device instead, with that
+   replica's optimizer updates deferred until the compiled part returns its gradients (exact
+   for Keras's own ``train_step``, whose metrics use the predictions made before the update);
+   where a collective would have to sit inside the compiled step, one clear error.
 
 A step is one ``strategy.run`` call (Keras's train/test/predict steps, or a custom loop's), with
 one replica per local device; ``Step`` holds what the hooks need while its replica functions are
@@ -74,10 +81,11 @@ class Step:
 
 
 class _Apply:
-    def __init__(self, optimizer, accumulate: bool):
+    """One replica's outermost ``optimizer.apply`` while it is traced."""
+
+    def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.accumulate = accumulate
-        self.reduced = False
+        self.reduced = False  # its gradients are reduced (Keras's own all-reduce passes them)
 
 
 def accumulation_steps(optimizer):
@@ -192,7 +200,7 @@ def _apply(original):
             step.deferred[replica].append((self, list(grads), trainable_variables))
             return None
         accumulate = accumulation_steps(self) is not None
-        scope = _Apply(self, accumulate)
+        scope = _Apply(self)
         step.applies[replica] = scope
         if not any(o is self for o in step.optimizers):
             step.optimizers.append(self)
