@@ -62,16 +62,18 @@ class Step:
     Attributes:
       shares: per local replica, ``n_r / sum(n)`` as a float32 scalar tensor (None: no batch was
         found in the step's arguments; Keras's 1/N applies).
-      masks: per local replica, 1.0 if it has examples else 0.0 (None with ``shares``).
+      live, masks: per local replica, whether it has examples, as a bool and as 1.0 / 0.0
+        (None with ``shares``).
       applies: local replica id -> the ``_Apply`` of that replica's outermost ``optimizer.apply``.
       optimizers: the optimizers that applied gradients in this step, in order.
     """
 
     def __init__(self, shares):
         self.shares = shares
-        # 1.0 for a replica with examples, 0.0 for an empty one: its gradients are zeroed in
-        # the reduction (an empty batch can give NaN statistics, e.g. BatchNorm's mean of none).
-        self.masks = None if shares is None else [tf.cast(s > 0, tf.float32) for s in shares]
+        # whether each replica has examples, and the same as 1.0 / 0.0: an empty replica's
+        # gradients are zeroed in the reduction (an empty batch can give NaN statistics)
+        self.live = None if shares is None else [s > 0 for s in shares]
+        self.masks = None if shares is None else [tf.cast(v, tf.float32) for v in self.live]
         self.padded = False  # whether empty replicas got one example (strategy's padding)
         # local replica id -> [(optimizer, grads, variables)] while that replica's XLA-compiled
         # step is traced: its optimizer updates wait until the compiled part has returned
@@ -360,15 +362,14 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def step(extended, shares):
-    """Make ``Step(shares)`` the extended's current step for the duration of a strategy.run."""
-    current = Step(shares)
-    extended.tfdp_step = current
+def current_step(extended, step):
+    """Make ``step`` the extended's current step for the duration of a strategy.run."""
+    extended.tfdp_step = step
     try:
-        yield current
+        yield step
     finally:
         extended.tfdp_step = None
 
 
-__all__ = ["Step", "install", "step", "reduce_gradients", "in_keras_symbolic_build",
+__all__ = ["Step", "install", "current_step", "reduce_gradients", "in_keras_symbolic_build",
            "accumulation_steps", "linear_in_gradient"]

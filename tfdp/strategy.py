@@ -253,18 +253,16 @@ class _DataParallelExtended(tfp.MirroredExtended):
             self._check_xla_possible()
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
-        padded = None
+        step = gradient_path.Step(shares)
         if shares is not None and not tf.executing_eagerly():
-            live = [s > 0 for s in shares]
-            args, padded = self._pad_empty_replicas(args, live)
-            if padded:
+            args, step.padded = self._pad_empty_replicas(args, step.live)
+            if step.padded:
                 saved = self._read_on_read_state()
-        with gradient_path.step(self, shares) as step:
-            step.padded = bool(padded)
+        with gradient_path.current_step(self, step):
             result = self._run_replicas(fn, args, kwargs)
-        if padded:
-            self._restore_on_read_state(saved, live)
-            result = tf.nest.map_structure(lambda v: self._trim_padded(v, live), result)
+        if step.padded:
+            self._restore_on_read_state(saved, step.live)
+            result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas)
@@ -313,6 +311,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
         return self._regroup(leaf, out)
 
     def _pad_empty_replicas(self, args, live):
+        """``args`` with empty replicas given one example, and whether any input could be."""
         padded = []
 
         def donor(c, comps):  # one real example from a replica that has some, else zeros
@@ -327,7 +326,7 @@ class _DataParallelExtended(tfp.MirroredExtended):
             padded.append(leaf)
             return out
 
-        return tf.nest.map_structure(pad, args), padded
+        return tf.nest.map_structure(pad, args), bool(padded)
 
     def _read_on_read_state(self):
         saved = []
