@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 from helpers import TOL, assert_replicas_identical, build, make_data, max_diff
 
 B = 16  # global micro-batch: 4 per replica

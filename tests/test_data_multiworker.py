@@ -6,7 +6,6 @@ element exactly once.
 """
 
 import collections
-import os
 
 import pytest
 

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tfdp import failures
 from tfdp.launch import launcher as launcher_lib
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -165,7 +166,7 @@ def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period():
             os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(60)
         time.sleep(1.0)
-        sys.stderr.write({launcher_lib.PEER_FAILURE_MARK!r} + "worker 1 is frozen\\n")
+        sys.stderr.write({failures.PEER_FAILURE_MARK!r} + "worker 1 is frozen\\n")
         sys.exit(3)
     """)
     import io
@@ -209,7 +210,7 @@ def cluster():
 
 def test_peer_failure_message_names_the_unhealthy_task(cluster):
     import tensorflow as tf
-    from tfdp.multiworker import peer_failure_message
+    from tfdp.failures import peer_failure_message
     err = tf.errors.UnavailableError(None, None, (
         "Graph execution error:\n\nDetected at node CollectiveReduceV2 ...\n"
         "Collective ops is aborted by: Error reported from /job:worker/task:2: The following "
@@ -223,7 +224,7 @@ def test_peer_failure_message_names_the_unhealthy_task(cluster):
 def test_peer_failure_message_other_shapes(cluster):
     import dataclasses
     import tensorflow as tf
-    from tfdp.multiworker import peer_failure_message
+    from tfdp.failures import peer_failure_message
     w1 = dataclasses.replace(cluster, task_id=1, rank=1)
     leader = tf.errors.UnavailableError(None, None, "Collective ops is aborted by: Deadline "
                                         "Exceeded\nRPC: /tensorflow.CoordinationService/Heartbeat")
@@ -250,8 +251,9 @@ def test_peer_failure_message_other_shapes(cluster):
 
 def test_timeout_settings(monkeypatch):
     from tfdp.errors import TfdpError
-    from tfdp.multiworker import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT,
-                                  HEARTBEAT_TIMEOUT_ENV, _seconds_setting)
+    from tfdp.failures import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT,
+                               HEARTBEAT_TIMEOUT_ENV)
+    from tfdp.failures import seconds_setting as _seconds_setting
 
     def heartbeat(value=None):
         return _seconds_setting(value, "heartbeat_timeout", HEARTBEAT_TIMEOUT_ENV,

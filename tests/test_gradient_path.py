@@ -14,7 +14,7 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 from tfdp import gradient_path
 from helpers import TOL, max_diff
 

@@ -1,6 +1,5 @@
 """Keras 3 fit/evaluate/predict under DataParallelStrategy equal single-device training."""
 
-import os
 
 import numpy as np
 import pytest

@@ -82,8 +82,8 @@ _at_import: dict = {"n": None, "runtime_started": None}
 
 
 def _runtime_started() -> bool:
-    from tfdp import _tf_private
-    return _tf_private.runtime_initialized()
+    from tfdp import compat
+    return compat.runtime_initialized()
 
 
 def _split_cpu_now(n: int) -> bool:

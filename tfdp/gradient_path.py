@@ -2,7 +2,7 @@
 
 Keras 3 on TensorFlow decides three things that tf.distribute strategies get wrong, and tfdp acts
 at exactly those places (the Keras internals involved are listed, and checked against the
-installed Keras, in ``tfdp._tf_private.keras_hook_points``):
+installed Keras, in ``tfdp.compat.keras_hook_points``):
 
 1. **The loss carries each replica's share of the batch.** Every Keras loss passes through
    ``scale_loss_for_distribution`` (``Loss.__call__``'s mean reduction, ``compile()``'s losses,
@@ -51,7 +51,7 @@ import threading
 
 import tensorflow as tf
 
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 
 SUM = tf.distribute.ReduceOp.SUM
 

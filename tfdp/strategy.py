@@ -35,7 +35,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp import gradient_path
 from tfdp.errors import invalid_argument

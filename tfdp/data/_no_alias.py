@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 
 # Ops that run Python and return its numpy results to TF (zero-copy when aligned).
 _PY_FUNC_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})

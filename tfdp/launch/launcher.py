@@ -10,7 +10,7 @@ Every output line is prefixed with ``[worker i] ``. If a worker fails, the other
 (SIGTERM to their process groups, SIGKILL after a grace period, at once for a stopped
 process) and the job fails, or is restarted as a whole up to ``max_restarts`` times. The failure
 is one line naming the worker and its address; when the failed worker reported a lost peer (a
-``tfdp: peer failure: ...`` line, see ``tfdp.multiworker``), that peer is named first.
+``tfdp: peer failure: ...`` line, see ``tfdp.failures``), that peer is named first.
 SIGINT/SIGTERM sent to the launcher are forwarded to all workers. Every wait is bounded, so the
 launcher never hangs.
 
@@ -39,15 +39,13 @@ from typing import IO, Mapping, Sequence
 
 from tfdp import errors
 from tfdp.errors import UsageError
+from tfdp.failures import PEER_FAILURE_MARK
 
 GRACE_S = 3.0        # SIGTERM -> SIGKILL grace period
 _KILL_WAIT_S = 5.0   # how long to wait for SIGKILLed processes to be reaped
 _JOIN_S = 2.0        # how long to wait for output reader threads after the workers exited
 _POLL_S = 0.05
 _PREFIX = "tfdp launch"
-# A worker that loses a peer (tfdp.multiworker: dead or frozen worker) prints one line starting
-# with this before exiting non-zero; the launcher repeats it in its summary of the failure.
-PEER_FAILURE_MARK = "tfdp: peer failure: "
 
 
 def make_tf_configs(workers: int, host: str = "127.0.0.1") -> list[dict]:

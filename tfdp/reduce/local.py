@@ -10,7 +10,7 @@ exist. The reduction of one bucket is one of:
   and cast once, then handed to every device (zero-copy between CPU devices of one process);
 * ``ring``: reduce-scatter (device c sums chunk c of every buffer) then all-gather;
 * ``one_device``: everything summed on the first device, then broadcast;
-* ``nccl``: TF's NCCL all-reduce (``_tf_private.nccl_all_sum``) on GPUs.
+* ``nccl``: TF's NCCL all-reduce (``compat.nccl_all_sum``) on GPUs.
 
 IndexedSlices (embedding gradients) are all-gathered as (indices, values) (a sum of IndexedSlices
 is their concatenation) or densified and reduced as a dense tensor, by the measured rule of
@@ -23,7 +23,7 @@ import logging
 
 import tensorflow as tf
 
-from tfdp import _tf_private as tfp
+from tfdp import compat as tfp
 from tfdp.reduce import compression as codec
 from tfdp.reduce import packing
 from tfdp.reduce import sparse as sparse_lib
