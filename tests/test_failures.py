@@ -29,7 +29,7 @@ FIT_SCRIPT = r"""
 import os, signal, time
 import numpy as np
 import keras
-import tfdp.multiworker as mw
+from tfdp.strategy import multiworker as mw
 
 rank = int(os.environ["TFDP_WORKER_RANK"])
 strategy = mw.MultiWorkerDataParallelStrategy()

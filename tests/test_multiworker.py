@@ -92,7 +92,7 @@ import os, sys
 import tfdp
 # The unchanged single-worker line: TF_CONFIG from the launcher makes it multi-worker.
 strategy = tfdp.DataParallelStrategy()  # at program start-up, before any TF op
-from tfdp.multiworker import MultiWorkerDataParallelStrategy
+from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
 assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
 import tensorflow as tf
@@ -115,7 +115,7 @@ LOOP_SCRIPT = """
 import os, sys
 import tfdp
 tfdp.configure_cpu_replicas(int(os.environ["TFDP_CPU_REPLICAS"]))  # starts the TF runtime first
-from tfdp.multiworker import MultiWorkerDataParallelStrategy
+from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
 strategy = MultiWorkerDataParallelStrategy(all_reduce="ring")
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
 from tfdp.testing import emit_result
@@ -238,7 +238,7 @@ def test_parse_results_per_worker():
 def test_single_worker_cluster_is_rejected():
     from tfdp.cluster import ClusterInfo
     from tfdp.errors import TfdpError
-    from tfdp.multiworker import MultiWorkerDataParallelStrategy
+    from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
     with pytest.raises(TfdpError, match="2 or more workers"):
         MultiWorkerDataParallelStrategy(ClusterInfo())
 

@@ -65,7 +65,7 @@ WORKER_SCRIPT = """
 import os
 import tfdp
 strategy = tfdp.DataParallelStrategy()  # at start-up: multi-worker from the launcher's TF_CONFIG
-from tfdp.multiworker import MultiWorkerDataParallelStrategy
+from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
 assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
 import dataclasses
 from tfdp.bench.patterns import get_row, reference, run_row

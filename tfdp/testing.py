@@ -6,7 +6,7 @@ Parent side (a test)::
 
     outputs = run_workers('''
         from tfdp.testing import emit_result
-        import tfdp.multiworker as mw
+        from tfdp.strategy import multiworker as mw
         s = mw.MultiWorkerDataParallelStrategy()
         emit_result({"replicas": s.num_replicas_in_sync})
     ''', workers=2, cpu_replicas=2, timeout=120)

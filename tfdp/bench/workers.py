@@ -78,7 +78,7 @@ def _child(spec: dict) -> int:
         from tfdp.bench.allreduce import describe_cross_device_ops
         info = {"cross_device_ops": describe_cross_device_ops(strategy)}
     else:
-        from tfdp.multiworker import MultiWorkerDataParallelStrategy
+        from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
         strategy = MultiWorkerDataParallelStrategy(all_reduce=spec["algorithm"],
                                                    bucket_bytes=spec["bucket_bytes"],
                                                    compression=spec["compression"])

@@ -50,7 +50,7 @@ import tensorflow as tf
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp import failures, gradient_path
-from tfdp import strategy as strategy_lib
+from tfdp.strategy import local as strategy_lib
 from tfdp.errors import TfdpError, invalid_argument
 from tfdp.reduce import compression as codec
 from tfdp.reduce import keys, packing, registry

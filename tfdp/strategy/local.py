@@ -73,7 +73,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         if cls is DataParallelStrategy:
             info = _resolve_cluster(cluster_resolver)
             if info is not None and info.num_workers > 1:
-                from tfdp.multiworker import MultiWorkerDataParallelStrategy
+                from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
                 return MultiWorkerDataParallelStrategy(info, devices, **kwargs)
         return super().__new__(cls)
 
@@ -193,7 +193,7 @@ def _resolve_cluster(cluster_resolver):
 class _DataParallelExtended(tfp.MirroredExtended):
     """MirroredExtended with tfdp's reduction, replica shares and layer-state sync.
 
-    The multi-worker extended (``tfdp.multiworker``) derives from this class too; what differs
+    The multi-worker extended (``tfdp.strategy.multiworker``) derives from this class too; what differs
     between them is ``_num_workers_in_job`` and ``_total_examples`` (a cross-worker count).
     """
 
