@@ -651,6 +651,8 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
                  extended._tfdp_reduce.hint, extended._tfdp_reduce.bucket_bytes,
                  extended._tfdp_reduce.compression,
                  " (collective runtime started late)" if extended.tfdp_late_start else "")
+        from tfdp.callbacks import shared_files  # Keras's own callbacks: only the chief writes
+        shared_files.install(self)
 
     # --- tfdp's additions ---------------------------------------------------------------------
 
