@@ -203,3 +203,49 @@ def parse_slurm(environ: Mapping[str, str], port: int | None = None) -> ClusterI
     return build_cluster_info({"worker": workers}, "worker", procid, source="slurm",
                               where=f"cluster from {nodelist_name}",
                               type_name="task type", index_name="SLURM_PROCID")
+
+
+# --- tfdp launch --slurm: one launcher per node --------------------------------------------------
+
+DEFAULT_LAUNCH_PORT = 29500  # the rendezvous port on the first node (torchrun's default port)
+NNODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+
+
+def slurm_nodes(environ: Mapping[str, str]) -> tuple[int, int, str]:
+    """``(nnodes, node_rank, first_node)`` for ``srun --ntasks-per-node=1 tfdp launch --slurm``:
+    one launcher task per node, node rank ``SLURM_PROCID``, the coordinator on the step's first
+    node (in the nodelist's order, as :func:`parse_slurm` places ranks).
+
+    Raises:
+      TfdpError: not inside ``srun``, or not one task per node (naming the variables).
+    """
+    fix = ("Run it as `srun --ntasks-per-node=1 tfdp launch --slurm --workers-per-node K -- "
+           "CMD` (one launcher per node), or give --nnodes/--node-rank/--coordinator.")
+    if "SLURM_PROCID" not in environ:
+        raise invalid_argument("SLURM_PROCID", None, what="--slurm needs srun's environment "
+                               "(SLURM_PROCID is not set)", fix=fix)
+    nodelist_name, raw = _first(environ, NODELIST_VARS)
+    hosts = expand_nodelist(raw, nodelist_name)
+    nnodes_name, raw_nodes = _first(environ, NNODES_VARS)
+    nnodes = _int_var(nnodes_name, raw_nodes, 1) if raw_nodes is not None else len(hosts)
+    if nnodes != len(hosts):
+        raise invalid_argument(nnodes_name, raw_nodes, what=f"{nnodes_name} does not match "
+                               f"{nodelist_name} ({len(hosts)} node(s))",
+                               fix="Do not mix job and step variables. " + fix)
+    ntasks_name, raw_tasks = _first(environ, NTASKS_VARS)
+    ntasks = _int_var(ntasks_name, raw_tasks, 1)
+    if ntasks != nnodes:
+        raise invalid_argument(ntasks_name, raw_tasks, what=f"--slurm runs one tfdp launch per "
+                               f"node, but this step has {ntasks} task(s) on {nnodes} node(s)",
+                               fix=fix)
+    rank = _int_var("SLURM_PROCID", environ.get("SLURM_PROCID"), 0)
+    if rank >= nnodes:
+        raise invalid_argument("SLURM_PROCID", environ["SLURM_PROCID"],
+                               fix=f"It must be in 0..{nnodes - 1}. {fix}")
+    node = environ.get("SLURMD_NODENAME")
+    if node is not None and node != hosts[rank]:
+        raise invalid_argument("SLURMD_NODENAME", node, what=f"SLURM placed launcher {rank} on "
+                               f"another node than {nodelist_name} predicts ({hosts[rank]!r})",
+                               fix="Launch with `srun --distribution=block` (the default). "
+                                   + fix)
+    return nnodes, rank, hosts[0]

@@ -32,20 +32,23 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from subprocess import DEVNULL, PIPE, Popen
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from tfdp import errors
 from tfdp.errors import UsageError
-from tfdp.failures import PEER_FAILURE_MARK
+from tfdp.launch import output as output_lib
+from tfdp.logs import LEVEL_ENV, quiet_tensorflow
 
 GRACE_S = 3.0        # SIGTERM -> SIGKILL grace period
 _KILL_WAIT_S = 5.0   # how long to wait for SIGKILLed processes to be reaped
 _JOIN_S = 2.0        # how long to wait for output reader threads after the workers exited
 _POLL_S = 0.05
 _PREFIX = "tfdp launch"
+OUTPUT_MODES = ("all", "worker0")
 
 
 def make_tf_configs(workers: int, host: str = "127.0.0.1") -> list[dict]:
@@ -71,7 +74,8 @@ def make_tf_configs(workers: int, host: str = "127.0.0.1") -> list[dict]:
 
 def validate(cmd: Sequence[str], workers, *, cpu_replicas=None, gpus_per_worker=None,
              max_restarts=0, timeout=None, host="127.0.0.1", env: Mapping[str, str] | None = None,
-             cli: bool = False) -> None:
+             cli: bool = False, output: str = "all", log_dir=None, loopback_only: bool = True
+             ) -> None:
     """Raise :class:`~tfdp.errors.UsageError` if the launch arguments are invalid.
 
     Nothing is started. With ``cli=True`` the messages name the command-line flags.
@@ -101,7 +105,12 @@ def validate(cmd: Sequence[str], workers, *, cpu_replicas=None, gpus_per_worker=
                                 or not timeout > 0):
         raise errors.invalid_argument(name("timeout"), timeout, cls=UsageError,
                                       fix="Give a positive number of seconds, or no timeout.")
-    _check_host(host, name("host"))
+    if loopback_only:
+        _check_host(host, name("host"))
+    if output not in OUTPUT_MODES:
+        raise errors.invalid_argument("output", output, valid=OUTPUT_MODES, cls=UsageError)
+    if log_dir is not None:
+        _check_log_dir(log_dir, name("log_dir"))
     if gpus_per_worker and "CUDA_VISIBLE_DEVICES" in env:
         visible = _visible_gpus(env)
         if workers * gpus_per_worker > len(visible):
@@ -132,7 +141,8 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
            gpus_per_worker: int | None = None, max_restarts: int = 0,
            timeout: float | None = None, env: Mapping[str, str] | None = None,
            stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-           host: str = "127.0.0.1") -> int:
+           host: str = "127.0.0.1", output: str = "all", log_dir: str | None = None,
+           verbose: bool = False, announce: bool | None = None) -> int:
     """Run ``cmd`` in ``workers`` local worker processes and return the job's exit code.
 
     Args:
@@ -150,6 +160,18 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
         ``sys.stderr`` at call time); launcher messages go to ``stderr``.
       host: the loopback address the workers advertise in ``TF_CONFIG`` (only loopback is
         allowed).
+      output: ``"all"`` (the default here; ``tfdp launch --all-output``): every worker's output
+        line by line with its ``[worker i] `` prefix; ``"worker0"`` (the ``tfdp launch``
+        default): worker 0's output live (partial lines and ``\r`` progress updates as they
+        come), every worker's output in ``log_dir/worker-<i>.log``, and a failed worker's last
+        lines with its log's path when it fails.
+      log_dir: where the per-worker log files go (default with ``"worker0"``: a new
+        ``tfdp-launch-*`` directory under the temporary directory; with ``"all"``: none).
+      verbose: keep TensorFlow's C++ INFO/WARNING logs; by default they are hidden
+        (``TF_CPP_MIN_LOG_LEVEL=2`` in the workers, see :func:`tfdp.logs.quiet_tensorflow`)
+        unless ``env`` sets ``TF_CPP_MIN_LOG_LEVEL``.
+      announce: print one line at the start (what is shown, where the logs are, what is
+        hidden); default: with ``"worker0"``.
 
     Returns:
       0 if every worker succeeded; the failed worker's exit code if it is 1..125, else 1;
@@ -160,58 +182,107 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
       tfdp.errors.TfdpError: the command could not be started.
     """
     validate(cmd, workers, cpu_replicas=cpu_replicas, gpus_per_worker=gpus_per_worker,
-             max_restarts=max_restarts, timeout=timeout, host=host, env=env)
-    job = _Job(list(cmd), workers, cpu_replicas, gpus_per_worker, host,
+             max_restarts=max_restarts, timeout=timeout, host=host, env=env, output=output,
+             log_dir=log_dir)
+    job = _Job(list(cmd), workers, cpu_replicas, gpus_per_worker,
                dict(os.environ if env is None else env),
-               sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
+               sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr,
+               output=output, log_dir=log_dir, verbose=verbose)
+    if announce or (announce is None and output == "worker0"):
+        job.announce()
     deadline = None if timeout is None else time.monotonic() + timeout
     with _ForwardedSignals() as received:
-        for restart in range(max_restarts + 1):
-            if restart:
-                job.say(f"restarting all workers (restart {restart} of {max_restarts})")
-            job.start(restart)
-            try:
-                outcome = job.wait(deadline, received)
-            finally:
-                job.stop(received)
-            kind = outcome[0]
-            if kind == "ok":
-                return 0
-            if kind == "timeout":
-                job.say(f"timed out after {timeout:g} s (--timeout); stopped all workers")
-                return 124
-            if kind == "signal":
-                name = signal.Signals(outcome[1]).name
-                job.say(f"received {name}; stopped all workers")
-                return 128 + outcome[1]
-            _, index, code = outcome
-            how = (f"failed with exit code {code}" if code >= 0
-                   else f"was killed by signal {_signame(-code)}")
-            others = "; stopped the other workers" if workers > 1 else ""
-            cause = job.peer_reports[index]  # the peer it lost, when it says so
-            job.say(f"{cause}; reported by {job.describe(index)}, which {how}{others}" if cause
-                    else f"{job.describe(index)} {how}{others}")
-            if received or (deadline is not None and time.monotonic() >= deadline):
-                break  # no restart once interrupted or out of time
-        return code if 1 <= code <= 125 else 1
+        try:
+            return _supervise(job, max_restarts, timeout, deadline, received,
+                              lambda restart: make_tf_configs(workers, host)
+                              if workers > 1 else None)
+        finally:
+            job.close()
+
+
+def _supervise(job: "_Job", max_restarts: int, timeout, deadline, received,
+               configs: Callable[[int], list | None], watch=None, on_end=None) -> int:
+    """Start, wait, stop and restart ``job``; print the outcome; return the exit code.
+
+    ``watch()`` (multi-node) returns an outcome of the other nodes or None, ``on_end(outcome,
+    code, line)`` is told how this node's workers ended."""
+    code = 1
+    for restart in range(max_restarts + 1):
+        if restart:
+            job.say(f"restarting all workers (restart {restart} of {max_restarts})")
+        job.start(restart, configs(restart))
+        try:
+            outcome = job.wait(deadline, received, watch)
+        finally:
+            job.stop(received)
+        kind = outcome[0]
+        if kind == "ok":
+            job.summary_ok()
+            if on_end:
+                on_end(outcome, 0, None)
+            return 0
+        if kind == "timeout":
+            line = f"timed out after {timeout:g} s (--timeout); stopped all workers"
+            job.say(line)
+            if on_end:
+                on_end(outcome, 124, line)
+            return 124
+        if kind == "signal":
+            name = signal.Signals(outcome[1]).name
+            line = f"received {name}; stopped all workers"
+            job.say(line)
+            if on_end:
+                on_end(outcome, 128 + outcome[1], line)
+            return 128 + outcome[1]
+        if kind == "remote":  # another node failed or was lost
+            _, line, code = outcome
+            job.say(line)
+            job.logs_line()
+            return code
+        _, index, code = outcome
+        how = (f"failed with exit code {code}" if code >= 0
+               else f"was killed by signal {_signame(-code)}")
+        others = "; stopped the other workers" if job.num_workers > 1 else ""
+        cause = job.logs[index].peer_report  # the peer it lost, when it says so
+        line = (f"{cause}; reported by {job.describe(index)}, which {how}{others}" if cause
+                else f"{job.describe(index)} {how}{others}")
+        job.show_tail(index)
+        job.say(line)
+        code = code if 1 <= code <= 125 else 1
+        if on_end:
+            on_end(outcome, code, line)
+        if received or (deadline is not None and time.monotonic() >= deadline):
+            break  # no restart once interrupted or out of time
+    job.logs_line()
+    return code
 
 
 class _Job:
-    """The worker processes of one launch, their output pumps, and how to stop them."""
+    """The worker processes of one launch (on this node), their output, and how to stop them.
 
-    def __init__(self, cmd, workers, cpu_replicas, gpus_per_worker, host, env, out, err):
-        self.cmd, self.workers, self.host = cmd, workers, host
-        self.out, self.err = out, err
-        self.lock = threading.Lock()  # one line at a time, across all workers
+    ``workers`` processes run here with global ranks ``rank_offset .. rank_offset+workers-1`` of
+    a ``num_workers``-worker cluster (the same numbers on a single node)."""
+
+    def __init__(self, cmd, workers, cpu_replicas, gpus_per_worker, env, out, err, *,
+                 output="all", log_dir=None, verbose=False, rank_offset=0, num_workers=None,
+                 extra_env=None):
+        self.cmd, self.workers, self.rank_offset = cmd, workers, rank_offset
+        self.num_workers = workers if num_workers is None else num_workers
+        self.out, self.err, self.output = out, err, output
+        self.terminal = output_lib.Terminal()
         self.procs: list[Popen] = []
         self.threads: list[tuple[threading.Thread, IO[bytes]]] = []
         self.addrs: list[str | None] = [None] * workers
-        self.peer_reports: list[str | None] = [None] * workers
-        base = dict(env, TFDP_NUM_WORKERS=str(workers), PYTHONUNBUFFERED="1")
+        self.start_time = time.monotonic()
+        base = dict(env, TFDP_NUM_WORKERS=str(self.num_workers), PYTHONUNBUFFERED="1",
+                    **(extra_env or {}))
         if cpu_replicas is not None:
             base["TFDP_CPU_REPLICAS"] = str(cpu_replicas)
-        self.envs = [dict(base, TFDP_WORKER_RANK=str(i)) for i in range(workers)]
-        if workers == 1:
+        self.user_level = base.get(LEVEL_ENV, "").strip() or None
+        self.level = output_lib.parse_level(quiet_tensorflow(base, verbose=verbose))
+        self.envs = [dict(base, TFDP_WORKER_RANK=str(rank_offset + i),
+                          TFDP_LOCAL_RANK=str(i)) for i in range(workers)]
+        if self.num_workers == 1:
             self.envs[0].pop("TF_CONFIG", None)
         if gpus_per_worker is not None:
             g = gpus_per_worker
@@ -219,17 +290,56 @@ class _Job:
                        else [str(i) for i in range(workers * g)])
             for i, e in enumerate(self.envs):
                 e["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i * g:(i + 1) * g])
+        if log_dir is None and output == "worker0":
+            log_dir = tempfile.mkdtemp(prefix="tfdp-launch-")
+        elif log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.logs = [output_lib.WorkerLog(self.log_path(i)) for i in range(workers)]
 
-    def start(self, restart: int) -> None:
-        """Start all workers (fresh ports for each start)."""
-        configs = make_tf_configs(self.workers, self.host) if self.workers > 1 else None
+    def rank(self, i: int) -> int:
+        return self.rank_offset + i
+
+    def log_path(self, i: int) -> str | None:
+        return os.path.join(self.log_dir, f"worker-{self.rank(i)}.log") if self.log_dir else None
+
+    def logs_pattern(self) -> str:
+        first, last = self.rank(0), self.rank(self.workers - 1)
+        if first == last:
+            return self.log_path(0)
+        return os.path.join(self.log_dir, f"worker-<i>.log (i = {first}..{last})")
+
+    def live(self, i: int) -> bool:
+        """Whether worker ``i``'s output is shown live on the terminal (``worker0`` mode)."""
+        return self.output == "worker0" and self.rank(i) == 0
+
+    def announce(self) -> None:
+        """One line: what is shown, where the logs are, what is hidden."""
+        parts = []
+        if self.output == "worker0":
+            shown = ("worker 0's output follows" if self.rank_offset == 0
+                     else "worker 0 runs on node 0: its output is shown there")
+            parts.append(f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}; "
+                         f"{shown} (--all-output: every worker's)")
+        if self.log_dir:
+            parts.append(f"logs: {self.logs_pattern()}")
+        if self.user_level is None and self.level:
+            parts.append(f"TensorFlow's C++ INFO/WARNING logs hidden ({LEVEL_ENV}="
+                         f"{self.level}; --verbose shows them)")
+        if parts:
+            self.say("; ".join(parts))
+
+    def start(self, restart: int, configs: list | None) -> None:
+        """Start all workers with these TF_CONFIG dicts (indexed by local worker)."""
         self.procs, self.threads = [], []
-        self.peer_reports = [None] * self.workers
         for i, env in enumerate(self.envs):
+            self.logs[i].reset()
+            if restart:
+                self.logs[i].note(f"\n----- tfdp launch: restart {restart} -----\n")
             env = dict(env, TFDP_RESTART_COUNT=str(restart))
             if configs:
                 env["TF_CONFIG"] = json.dumps(configs[i])
-                self.addrs[i] = configs[i]["cluster"]["worker"][i]
+                self.addrs[i] = configs[i]["cluster"]["worker"][configs[i]["task"]["index"]]
             try:
                 proc = Popen(self.cmd, env=env, stdin=DEVNULL, stdout=PIPE, stderr=PIPE,
                              start_new_session=True)
@@ -239,15 +349,19 @@ class _Job:
                                               what="Cannot start the command",
                                               fix=f"{e.strerror or e}.") from None
             self.procs.append(proc)
+            show = self.output == "all" or self.live(i)
             for pipe, stream in ((proc.stdout, self.out), (proc.stderr, self.err)):
-                t = threading.Thread(target=self._pump, args=(pipe, i, stream),
-                                     name=f"tfdp-launch-worker{i}", daemon=True)
+                t = threading.Thread(
+                    target=output_lib.pump, name=f"tfdp-launch-worker{self.rank(i)}",
+                    args=(pipe, self.logs[i], self.terminal, stream if show else None,
+                          f"[worker {self.rank(i)}] ", self.live(i), self.level), daemon=True)
                 t.start()
                 self.threads.append((t, pipe))
 
-    def wait(self, deadline, received) -> tuple:
+    def wait(self, deadline, received, watch=None) -> tuple:
         """Wait until all succeed ("ok"), one fails ("failed", i, code), time runs out
-        ("timeout") or the launcher gets a signal ("signal", signum)."""
+        ("timeout"), the launcher gets a signal ("signal", signum) or ``watch()`` reports
+        another node's end ("remote", line, code)."""
         while True:
             if received:
                 return ("signal", received[0])
@@ -259,6 +373,10 @@ class _Job:
                 return ("ok",)
             if deadline is not None and time.monotonic() >= deadline:
                 return ("timeout",)
+            if watch is not None:
+                remote = watch()
+                if remote is not None:
+                    return remote
             time.sleep(_POLL_S)
 
     def stop(self, received) -> None:
@@ -284,35 +402,50 @@ class _Job:
             if not t.is_alive():  # a pipe still being read (by a daemon thread) stays open
                 pipe.close()
 
+    def close(self) -> None:
+        """Close the log files (after :meth:`stop`)."""
+        if any(t.is_alive() for t, _ in self.threads):
+            return  # a reader still runs (it holds the file): the process exit closes it
+        for log in self.logs:
+            log.close()
+
     def describe(self, i: int) -> str:
-        """``worker i (addr)``, or ``worker i`` without a cluster."""
-        return f"worker {i} ({self.addrs[i]})" if self.addrs[i] else f"worker {i}"
+        """``worker r (addr)``, or ``worker r`` without a cluster (``i``: local index)."""
+        r = self.rank(i)
+        return f"worker {r} ({self.addrs[i]})" if self.addrs[i] else f"worker {r}"
 
     def say(self, text: str) -> None:
         """Print one launcher line to stderr."""
-        self._write(self.err, f"{_PREFIX}: {text}\n")
+        self.terminal.write(self.err, f"{_PREFIX}: {text}\n")
+
+    def show_tail(self, i: int) -> None:
+        """A failed worker's last lines on the terminal, with its log file (``worker0`` mode;
+        not for a worker shown live or in ``all`` mode, where every line was shown)."""
+        if self.output != "worker0" or self.live(i):
+            return
+        log = self.logs[i]
+        lines = list(log.tail)
+        if not lines:
+            self.say(f"worker {self.rank(i)} printed nothing (log: {log.path})")
+            return
+        lines = [ln for ln in lines if not output_lib.hidden_line(ln, self.level)] or lines
+        self.say(f"last {len(lines)} line(s) of worker {self.rank(i)} (full log: {log.path}):")
+        prefix = f"[worker {self.rank(i)}] "
+        self.terminal.write(self.err, "".join(prefix + ln + "\n" for ln in lines))
+
+    def summary_ok(self) -> None:
+        if self.output == "worker0" or self.log_dir:
+            took = time.monotonic() - self.start_time
+            self.say(f"{self.workers} worker{'s' if self.workers > 1 else ''} succeeded in "
+                     f"{took:.1f} s" + (f"; logs: {self.logs_pattern()}" if self.log_dir else ""))
+
+    def logs_line(self) -> None:
+        if self.log_dir:
+            self.say(f"logs: {self.logs_pattern()}")
 
     def _signal_all(self, sig) -> None:
         for p in self.procs:
             _killpg(p.pid, sig)
-
-    def _pump(self, pipe, index: int, stream) -> None:
-        """Copy ``pipe`` to ``stream`` line by line with the ``[worker i] `` prefix; keep
-        draining on errors; remember the worker's first peer-failure report."""
-        prefix = f"[worker {index}] "
-        for raw in iter(lambda: pipe.readline(1 << 16), b""):
-            line = raw.decode("utf-8", errors="replace")
-            if line.startswith(PEER_FAILURE_MARK) and self.peer_reports[index] is None:
-                self.peer_reports[index] = line[len(PEER_FAILURE_MARK):].strip()
-            self._write(stream, prefix + (line if line.endswith("\n") else line + "\n"))
-
-    def _write(self, stream, text: str) -> None:
-        with self.lock:
-            try:
-                stream.write(text)
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # closed or broken stream: don't let a worker block on a full pipe
 
 
 class _ForwardedSignals:
@@ -348,6 +481,22 @@ def _check_int(value, name, minimum, optional=False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise errors.invalid_argument(name, value, cls=UsageError,
                                       fix=f"Use an integer >= {minimum}.")
+
+
+def _check_log_dir(log_dir, name) -> None:
+    if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+        raise errors.invalid_argument(name, log_dir, cls=UsageError,
+                                      fix="Give a directory path (it is created if needed).")
+    path = os.fspath(log_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise errors.invalid_argument(name, path, what="Not a directory", cls=UsageError,
+                                      fix="Give a directory (it is created if needed).")
+    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent or ".", os.W_OK):
+        raise errors.invalid_argument(name, path, what="Cannot write there", cls=UsageError,
+                                      fix="Give a directory you may write to.")
 
 
 def _check_host(host, name) -> None:
