@@ -168,9 +168,9 @@ def test_resnet50_shapes_match_keras():
 
 
 def test_all_reduce_names_match_registry():
-    from tfdp.bench.cli import ALL_REDUCE_NAMES
+    from tfdp.bench.parser import all_reduce_names
     from tfdp.reduce.registry import ALGORITHMS
-    assert tuple(ALGORITHMS) == ALL_REDUCE_NAMES
+    assert tuple(ALGORITHMS) == all_reduce_names()
 
 
 def test_helpers():

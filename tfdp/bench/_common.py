@@ -1,4 +1,9 @@
-"""Helpers shared by the benchmarks: sizes, statistics, round ordering, tables, environment."""
+"""Helpers shared by the benchmarks: sizes, statistics, round ordering, tables, environment, and
+the names and checks the all-reduce benchmarks (local and across workers) share.
+
+Imports no other module of :mod:`tfdp.bench` (every benchmark may import it) and starts no
+TensorFlow at import.
+"""
 
 from __future__ import annotations
 
@@ -145,3 +150,66 @@ def time_samples(step, repeats: int, target: float = 0.02, max_iters: int = 50) 
             step()
         samples.append((time.perf_counter() - t0) / n)
     return samples, n
+
+
+# --- shared by the all-reduce benchmarks (tfdp.bench.allreduce, tfdp.bench.workers) -------------
+
+# DataParallelStrategy algorithms the CPU benchmarks run (tfdp.reduce.registry.ALGORITHMS minus
+# "auto", which is "fused" on CPUs, and "nccl", which needs GPUs).
+BENCH_ALGORITHMS = ("fused", "ring", "one_device")
+COMPRESSIONS = ("none", "fp16", "bf16")
+# |result - float32 sum| allowed per element, per compression, times the number of replicas
+# (inputs are uniform in [-1, 1]; fp16 keeps 11 significant bits, bf16 8).
+CHECK_TOLERANCE = {None: 1e-4, "fp16": 4e-3, "bf16": 3e-2}
+MEMORY_NAME = "memory (np.add, 1 thread)"
+
+
+def normalize_compressions(compressions) -> list:
+    """"none,fp16" / ["none", "fp16"] / [None] -> [None, "fp16"] (validated, deduplicated)."""
+    from tfdp.errors import TfdpError
+    if compressions is None or isinstance(compressions, str):
+        compressions = [c.strip() for c in (compressions or "none").split(",") if c.strip()]
+    out = []
+    for c in compressions:
+        name = None if c is None else str(c).lower()
+        if name == "none":
+            name = None
+        if name is not None and name not in COMPRESSIONS:
+            raise TfdpError(f"Invalid compression. Received: compression={c!r}. Valid: "
+                            f"{', '.join(COMPRESSIONS)}.")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise TfdpError(f"Invalid compression. Received: compression={compressions!r}. Valid: "
+                        f"{', '.join(COMPRESSIONS)}.")
+    return out
+
+
+def tfdp_name(algorithm, bucket_bytes=None, compression=None, show_bucket=True) -> str:
+    """'tfdp fused b=1M', 'tfdp fused b=1M fp16', 'tfdp ring fp16' (show_bucket=False)."""
+    name = f"tfdp {algorithm}"
+    if show_bucket:
+        name += f" b={fmt_bytes(bucket_bytes) if bucket_bytes else 0}"
+    return name + (f" {compression}" if compression else "")
+
+
+def describe_cross_device_ops(strategy) -> str:
+    """'CollectiveAllReduce(RING)', 'ReductionToOneDevice', ... for a MirroredStrategy."""
+    from tfdp import compat
+    cdo = compat.mirrored_cross_device_ops(strategy)
+    if cdo is None:
+        return "unknown"
+    name = type(cdo).__name__
+    impl = compat.collective_implementation(cdo)
+    return f"{name}({impl.name})" if impl is not None and hasattr(impl, "name") else name
+
+
+def memory_note(result) -> str:
+    """The sentence under an all-reduce table about its memory-bandwidth reference row."""
+    rows = [(w, r) for w in result["workloads"] for r in w["results"] if r["kind"] == "memory"]
+    if not rows:
+        return ""
+    w, r = max(rows, key=lambda wr: wr[0]["bytes"])
+    return (f"The memory row is one np.add(a, b, out=c) of buffers of the row's size (one thread): "
+            f"at {fmt_bytes(w['bytes'])} {r['memory_traffic_gbps']:.2f} GB/s of memory "
+            "traffic (3 bytes moved per byte reduced).")

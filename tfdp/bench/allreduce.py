@@ -27,17 +27,17 @@ import gc
 import math
 import time
 
-from tfdp.bench import _common
-from tfdp.errors import TfdpError
+import importlib.util
+
+from tfdp.bench import _common, workers
+from tfdp.bench._common import (BENCH_ALGORITHMS, CHECK_TOLERANCE, COMPRESSIONS, MEMORY_NAME,
+                                describe_cross_device_ops, normalize_compressions, tfdp_name)
+from tfdp.bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
+                               split_list, write_json)
+from tfdp.errors import TfdpError, UsageError
 
 MODELS = ("resnet50", "mlp", "sizes")
-BENCH_ALGORITHMS = ("fused", "ring", "one_device")  # nccl needs GPUs; this bench uses CPU replicas
 DEFAULT_ALGORITHMS = BENCH_ALGORITHMS
-COMPRESSIONS = ("none", "fp16", "bf16")
-# |result - float32 sum| allowed per element, per compression, times the number of replicas
-# (inputs are uniform in [-1, 1]; fp16 keeps 11 significant bits, bf16 8).
-CHECK_TOLERANCE = {None: 1e-4, "fp16": 4e-3, "bf16": 3e-2}
-MEMORY_NAME = "memory (np.add, 1 thread)"
 DEFAULT_SIZES = ("1K", "16K", "256K", "4M", "64M")
 DEFAULT_REPEATS = 15
 # Each timed sample repeats a contender's step until it lasts about this long (at most MAX_ITERS
@@ -149,44 +149,6 @@ def _numpy_step(per_device):
         return outs
 
     return step
-
-
-def describe_cross_device_ops(strategy) -> str:
-    """'CollectiveAllReduce(RING)', 'ReductionToOneDevice', ... for a MirroredStrategy."""
-    cdo = getattr(strategy.extended, "_cross_device_ops", None)
-    if cdo is None:
-        return "unknown"
-    name = type(cdo).__name__
-    impl = getattr(getattr(cdo, "_options", None), "implementation", None)
-    return f"{name}({impl.name})" if impl is not None and hasattr(impl, "name") else name
-
-
-def normalize_compressions(compressions) -> list:
-    """"none,fp16" / ["none", "fp16"] / [None] -> [None, "fp16"] (validated, deduplicated)."""
-    if compressions is None or isinstance(compressions, str):
-        compressions = [c.strip() for c in (compressions or "none").split(",") if c.strip()]
-    out = []
-    for c in compressions:
-        name = None if c is None else str(c).lower()
-        if name == "none":
-            name = None
-        if name is not None and name not in COMPRESSIONS:
-            raise TfdpError(f"Invalid compression. Received: compression={c!r}. Valid: "
-                            f"{', '.join(COMPRESSIONS)}.")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise TfdpError(f"Invalid compression. Received: compression={compressions!r}. Valid: "
-                        f"{', '.join(COMPRESSIONS)}.")
-    return out
-
-
-def tfdp_name(algorithm, bucket_bytes=None, compression=None, show_bucket=True) -> str:
-    """'tfdp fused b=1M', 'tfdp fused b=1M fp16', 'tfdp ring fp16' (show_bucket=False)."""
-    name = f"tfdp {algorithm}"
-    if show_bucket:
-        name += f" b={_common.fmt_bytes(bucket_bytes) if bucket_bytes else 0}"
-    return name + (f" {compression}" if compression else "")
 
 
 def build_contenders(devices, algorithms, bucket_bytes_list,
@@ -403,8 +365,7 @@ REFERENCE_KINDS = ("numpy", "memory", "tcp")
 
 def format_allreduce(result: dict) -> str:
     if result.get("mode") == "workers":
-        from tfdp.bench.workers import format_workers
-        return format_workers(result)
+        return workers.format_workers(result)
     k = result["cpu_replicas"]
     env = result["environment"]
     lines = [f"tfdp bench allreduce: model {result['model']}, {k} CPU replicas "
@@ -432,18 +393,8 @@ def format_allreduce(result: dict) -> str:
               "> 1: faster than MirroredStrategy.",
               f"busbw = algbw * 2(K-1)/K. The numpy row is a one-thread {k}-way sum with no "
               "broadcast: a memory-bound reference, not an all-reduce.",
-              _memory_note(result)]
+              _common.memory_note(result)]
     return "\n".join(lines)
-
-
-def _memory_note(result) -> str:
-    rows = [(w, r) for w in result["workloads"] for r in w["results"] if r["kind"] == "memory"]
-    if not rows:
-        return ""
-    w, r = max(rows, key=lambda wr: wr[0]["bytes"])
-    return (f"The memory row is one np.add(a, b, out=c) of buffers of the row's size (one thread): "
-            f"at {_common.fmt_bytes(w['bytes'])} {r['memory_traffic_gbps']:.2f} GB/s of memory "
-            "traffic (3 bytes moved per byte reduced).")
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -490,3 +441,158 @@ def write_plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --- command line: tfdp bench allreduce ----------------------------------------------------------
+
+def build_parser() -> BenchParser:
+    p = BenchParser("tfdp bench allreduce",
+                    usage="tfdp bench allreduce [--cpu-replicas K | --workers N] [--sizes S,...] "
+                          "[--algorithms A,...] [--compression C,...] [--json FILE] "
+                          "[--plot FILE.png] [options]",
+                    description="Time one replica-context all_reduce('SUM') of a gradient set "
+                                "under tfdp DataParallelStrategy (each --algorithms x "
+                                "--bucket-bytes x --compression), MirroredStrategy (default "
+                                "cross-device ops, and ReductionToOneDevice), a numpy K-way sum "
+                                "and a memory-bandwidth reference (np.add over a buffer of each "
+                                "size). With --workers N: across N local worker processes on "
+                                "127.0.0.1 (one job per contender), tfdp "
+                                "MultiWorkerDataParallelStrategy vs MultiWorkerMirroredStrategy, "
+                                "with memory and loopback TCP references.",
+                    epilog="MS/this (MWMS/this) in the table is MirroredStrategy's "
+                           "(MultiWorkerMirroredStrategy's) median / the row's median (> 1: "
+                           "faster). busbw = algbw * 2(n-1)/n as in nccl-tests, n = replicas or "
+                           "workers.")
+    add_common_options(p, cpu_replicas=None)
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="measure across N >= 2 local worker processes instead of CPU replicas "
+                        "in one process (not with --cpu-replicas)")
+    p.add_argument("--compression", metavar="C,...", default="none",
+                   help="tfdp compressions, from none, fp16, bf16 (default: none)")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="gradient set: resnet50 (214 tensors, 25.6 M floats), mlp (60 Dense(64) "
+                        "layers: 120 tensors) or sizes (one tensor per --sizes entry); default: "
+                        "resnet50, or sizes when --sizes is given")
+    p.add_argument("--sizes", metavar="S,...",
+                   help="tensor sizes in bytes for --model sizes, K/M/G suffixes "
+                        f"(default: {','.join(DEFAULT_SIZES)}; with --workers: 1M,16M,64M)")
+    p.add_argument("--algorithms", metavar="A,...", default=None,
+                   help=f"tfdp algorithms, from {', '.join(BENCH_ALGORITHMS)} "
+                        f"(default: {','.join(DEFAULT_ALGORITHMS)}; with --workers: "
+                        f"{','.join(workers.DEFAULT_ALGORITHMS)}, since one replica per worker "
+                        "leaves the local stage nothing to do)")
+    p.add_argument("--bucket-bytes", metavar="B,...",
+                   help="tfdp bucket capacities in bytes (K/M suffixes ok; 0 = no fusion); one "
+                        "tfdp contender per algorithm and size (default: tfdp's default)")
+    p.add_argument("--repeats", type=int, default=None, metavar="R",
+                   help=f"rounds (default: {DEFAULT_REPEATS}); with --workers: timed samples "
+                        f"per size in each job (default: {workers.DEFAULT_REPEATS})")
+    p.add_argument("--rounds", type=int, default=workers.DEFAULT_ROUNDS, metavar="R",
+                   help="--workers only: every job runs once per round, in alternating order "
+                        f"(default: {workers.DEFAULT_ROUNDS})")
+    p.add_argument("--tensors", type=int, default=1, metavar="T",
+                   help="--workers only: split each size into T float32 tensors (default: 1)")
+    p.add_argument("--timeout", type=float, default=workers.DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="--workers only: hard limit per job "
+                        f"(default: {workers.DEFAULT_TIMEOUT:g})")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a PNG (matplotlib): busbw vs size for --model sizes, else busbw "
+                        "per contender")
+    return p
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
+    if args.workers is not None and args.cpu_replicas is not None:
+        raise UsageError(f"--cpu-replicas and --workers are mutually exclusive. Received: "
+                         f"--cpu-replicas {args.cpu_replicas} --workers {args.workers}. Give "
+                         "one: K replicas in one process, or N worker processes.")
+    if args.workers is not None:
+        check_positive("--workers", args.workers, minimum=2)
+        if args.model not in (None, "sizes"):
+            raise UsageError(f"--workers measures --sizes only. Received: --model {args.model} "
+                             f"--workers {args.workers}. Drop --model.")
+        if args.sizes is None:
+            args.sizes = "1M,16M,64M"
+        for name in ("rounds", "tensors"):
+            check_positive("--" + name, getattr(args, name))
+        if not args.timeout > 0:
+            raise UsageError(f"Invalid --timeout. Received: --timeout {args.timeout:g}. Give a "
+                             "positive number of seconds.")
+    else:
+        if args.cpu_replicas is None:
+            args.cpu_replicas = 4
+        check_positive("--cpu-replicas", args.cpu_replicas)
+    if args.repeats is None:
+        args.repeats = workers.DEFAULT_REPEATS if args.workers is not None else DEFAULT_REPEATS
+    check_positive("--repeats", args.repeats)
+    compressions = [c.lower() for c in split_list(args.compression)]
+    if not compressions or any(c not in COMPRESSIONS for c in compressions):
+        raise UsageError(f"Invalid --compression. Received: --compression {args.compression}. "
+                         f"Valid: {', '.join(COMPRESSIONS)} (comma-separated).")
+    args.compression = list(dict.fromkeys(compressions))
+    if args.model is None:
+        args.model = "sizes" if args.sizes else "resnet50"
+    if args.sizes is not None and args.model != "sizes":
+        raise UsageError(f"--sizes needs --model sizes. Received: --model {args.model} "
+                         f"--sizes {args.sizes}. Drop --model (or pass --model sizes).")
+    if args.model == "sizes" and args.sizes is not None:
+        sizes = [_common.parse_size(s, name="--sizes", cls=UsageError)
+                 for s in split_list(args.sizes)]
+        if not sizes or min(sizes) < 4:
+            raise UsageError(f"Invalid --sizes. Received: --sizes {args.sizes}. Give sizes of "
+                             "at least 4 bytes (one float32), e.g. 1K,1M,64M.")
+        args.sizes = sizes
+    if args.algorithms is None:
+        args.algorithms = ",".join(workers.DEFAULT_ALGORITHMS if args.workers is not None
+                                   else DEFAULT_ALGORITHMS)
+    algorithms = [a.lower() for a in split_list(args.algorithms)]
+    bad = [a for a in algorithms if a not in BENCH_ALGORITHMS]
+    if bad or not algorithms:
+        raise UsageError(f"Invalid --algorithms. Received: --algorithms {args.algorithms}. "
+                         f"Valid: {', '.join(BENCH_ALGORITHMS)} (comma-separated; nccl needs "
+                         "GPUs and this benchmark runs on CPU replicas).")
+    args.algorithms = list(dict.fromkeys(algorithms))
+    if args.bucket_bytes is None:
+        args.bucket_bytes = [None]
+    else:
+        buckets = [_common.parse_size(b, name="--bucket-bytes", cls=UsageError)
+                   for b in split_list(args.bucket_bytes)]
+        if not buckets:
+            raise UsageError(f"Invalid --bucket-bytes. Received: --bucket-bytes "
+                             f"{args.bucket_bytes!r}. Give comma-separated byte counts, e.g. "
+                             "0,262144,4M.")
+        args.bucket_bytes = list(dict.fromkeys(buckets))
+    check_writable("--json", args.json)
+    check_writable("--plot", args.plot)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise TfdpError(f"--plot needs matplotlib, which is not installed. Received: --plot "
+                        f"{args.plot!r}. Install it (pip install matplotlib) or drop --plot.")
+    return args
+
+
+def run(args) -> int:
+    if args.workers is not None:
+        result = workers.run_allreduce_workers(
+            workers=args.workers, sizes=args.sizes, algorithms=args.algorithms,
+            bucket_bytes=args.bucket_bytes, compression=args.compression,
+            repeats=args.repeats, rounds=args.rounds, tensors=args.tensors,
+            timeout=args.timeout, progress=not args.quiet)
+    else:
+        result = run_allreduce(cpu_replicas=args.cpu_replicas, model=args.model,
+                               sizes=args.sizes, algorithms=args.algorithms,
+                               bucket_bytes=args.bucket_bytes, repeats=args.repeats,
+                               compression=args.compression, progress=not args.quiet)
+    print(format_allreduce(result), flush=True)
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        write_plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":  # python -m tfdp.bench.allreduce
+    import sys
+
+    from tfdp.bench.parser import run_standalone
+    sys.exit(run_standalone("allreduce", parse_args, run))

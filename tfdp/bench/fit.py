@@ -11,15 +11,20 @@ ops under XLA), is warmed up with one short fit, then rounds alternate timed
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 import statistics
 import time
 
 from tfdp.bench import _common
-from tfdp.errors import TfdpError
+from tfdp.bench.parser import (BenchParser, add_common_options, all_reduce_names,
+                               check_directory, check_positive, check_writable, write_json)
+from tfdp.errors import TfdpError, UsageError
 
 WARMUP_STEPS = 10  # the warm-up fit traces the train function and starts the input pipeline
 DEFAULTS = {"layers": 60, "width": 64, "batch": 256, "steps": 100, "repeats": 5}
+TRACE_STEPS = 5  # steady steps profiled per contender with --trace
 
 
 def build_mlp(layers: int, width: int):
@@ -105,7 +110,8 @@ def _new_step_timer():
 def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
             width: int = DEFAULTS["width"], batch: int = DEFAULTS["batch"],
             steps: int = DEFAULTS["steps"], repeats: int = DEFAULTS["repeats"],
-            all_reduce: str = "auto", progress: bool = False) -> dict:
+            all_reduce: str = "auto", progress: bool = False, trace_dir: str | None = None,
+            trace_steps: int = TRACE_STEPS) -> dict:
     """Fit throughput of the MLP per contender; returns all figures as a dict.
 
     Args:
@@ -114,29 +120,42 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
       batch: global batch size; steps: steps per timed fit; repeats: rounds.
       all_reduce: tfdp's ``all_reduce`` argument.
       progress: print "round i/R" lines to stderr.
+      trace_dir: after the timed rounds, profile ``trace_steps`` steady steps of the tfdp and
+        MirroredStrategy contenders (``tfdp.bench.trace``): one TensorBoard log directory per
+        contender under ``trace_dir``, a Perfetto ``trace.json.gz`` and ``timeline.txt`` in
+        each, and ``timeline.txt`` / ``timeline.json`` with both tables in ``trace_dir``.
 
     Returns:
       {"benchmark", "cpu_replicas", ..., "results": [{"contender", "fit_s", "examples_per_s",
        "median_examples_per_s", "median_step_ms", "final_loss", ...}],
-       "ratio_tfdp_over_mirrored", "environment"}.
+       "ratio_tfdp_over_mirrored", "environment"}; with ``trace_dir`` also "trace":
+      [{"contender", "steps": [per-step figures], "median", ...}].
     """
     for name, value in (("layers", layers), ("width", width), ("batch", batch),
                         ("steps", steps), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise TfdpError(f"Invalid {name}. Received: {name}={value!r}. Pass an int >= 1.")
+    if trace_dir is not None and (isinstance(trace_steps, bool) or not isinstance(trace_steps, int)
+                                  or trace_steps < 1):
+        raise TfdpError(f"Invalid trace_steps. Received: trace_steps={trace_steps!r}. Pass an "
+                        "int >= 1.")
     if batch < cpu_replicas:
         raise TfdpError(f"Invalid batch. Received: batch={batch} with cpu_replicas="
                         f"{cpu_replicas}. Give every replica at least one example per step.")
     import tensorflow as tf
 
-    from tfdp.bench.allreduce import describe_cross_device_ops
     from tfdp.strategy import DataParallelStrategy
 
     devices = _common.configure_replicas(cpu_replicas)
     dataset = _dataset(width, batch)
     tfdp_strategy = DataParallelStrategy(devices, all_reduce=all_reduce)
     ms = tf.distribute.MirroredStrategy(devices)
-    ms_desc = describe_cross_device_ops(ms)
+    ms_desc = _common.describe_cross_device_ops(ms)
+    if trace_dir is not None:  # before the train functions are traced: ops get the scope
+        from tfdp import compat
+        from tfdp.bench import trace
+        trace.scope_reductions(tfdp_strategy.cross_device_ops)
+        trace.scope_reductions(compat.mirrored_cross_device_ops(ms))
     _common.progress(f"fit: building {layers}x{width} MLPs under each strategy", progress)
     contenders = [
         _FitContender(f"tfdp {tfdp_strategy.all_reduce} b="
@@ -166,6 +185,10 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
             intervals[i].extend(run["steps_s"])
             teardowns[i].append(run["teardown_s"])
 
+    traces = None
+    if trace_dir is not None:
+        traces = _trace(contenders[:2], dataset, trace_dir, trace_steps, progress)
+
     examples = steps * batch
     results = []
     for c, ts, ls, iv, td, w in zip(contenders, times, losses, intervals, teardowns, warm):
@@ -189,7 +212,7 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
                                       / ms_res["median_examples_per_s"])
         res["steady_ratio_over_mirrored"] = (res["steady_examples_per_s"]
                                              / ms_res["steady_examples_per_s"])
-    return {
+    out = {
         "benchmark": "fit", "cpu_replicas": cpu_replicas, "devices": devices, "layers": layers,
         "width": width, "gradient_tensors": 2 * layers, "batch": batch, "steps": steps,
         "repeats": repeats, "mirrored_cross_device_ops": ms_desc, "results": results,
@@ -206,6 +229,39 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
                   "ratio_over_mirrored": "median examples/s / MirroredStrategy's: > 1 means "
                                          "faster than MirroredStrategy"},
     }
+    if traces is not None:
+        out["trace_dir"] = trace_dir
+        out["trace"] = traces
+        out["notes"]["trace"] = trace_note()
+    return out
+
+
+def trace_note() -> str:
+    from tfdp.bench.trace import TABLE_NOTE
+    return TABLE_NOTE.replace("\n", " ")
+
+
+def _trace(contenders, dataset, trace_dir, trace_steps, progress):
+    """Profile ``trace_steps`` steady steps of each contender; their timelines (tfdp.bench.trace)."""
+    from tfdp.bench import trace
+    out = []
+    for c in contenders:
+        _common.progress(f"fit: tracing {trace_steps} steps of {c.name}", progress)
+        logdir = os.path.join(trace_dir, trace.slug(c.name))
+
+        def run_steps(callbacks, c=c):
+            # one step more than shown: the first of a fit also starts the input iterators
+            c.model.fit(dataset, epochs=1, steps_per_epoch=trace_steps + 1, verbose=0,
+                        shuffle=False, callbacks=callbacks)
+
+        out.append(trace.trace_contender(c.name, run_steps, logdir, skip_steps=1))
+    text = "\n\n".join(r["table"] for r in out) + "\n\n" + trace.TABLE_NOTE + "\n"
+    with open(os.path.join(trace_dir, "timeline.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(trace_dir, "timeline.json"), "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "table"} for r in out], f, indent=1)
+        f.write("\n")
+    return out
 
 
 def format_fit(result: dict) -> str:
@@ -231,6 +287,86 @@ def format_fit(result: dict) -> str:
               "iterator destruction); step ex/s: median steady-state step inside the fits.",
               f"tfdp / MirroredStrategy: {result['ratio_tfdp_over_mirrored']:.2f} (whole fit), "
               f"{result['steady_ratio_tfdp_over_mirrored']:.2f} (steady step); > 1: tfdp faster"]
+    if result.get("trace"):
+        from tfdp.bench.trace import TABLE_NOTE
+        lines.append("")
+        for t in result["trace"]:
+            lines += [t["table"], ""]
+        lines += [TABLE_NOTE,
+                  f"traces in {result['trace_dir']}: TensorBoard (tensorboard --logdir "
+                  f"{result['trace_dir']}, Profile tab) reads each contender's "
+                  "plugins/profile/*/*.xplane.pb; Perfetto (ui.perfetto.dev) opens its "
+                  "trace.json.gz."]
     if not all(r["finite_loss"] for r in result["results"]):
         lines.append("warning: a loss was not finite; the figures still time the same work.")
     return "\n".join(lines)
+
+
+# --- command line: tfdp bench fit ----------------------------------------------------------------
+
+def build_parser() -> BenchParser:
+    p = BenchParser("tfdp bench fit",
+                    description="Keras model.fit throughput of a deep narrow MLP (--layers Dense "
+                                "layers of --width, relu, MSE on random data) under tfdp "
+                                "DataParallelStrategy vs tf.distribute.MirroredStrategy on the "
+                                "same K CPU replicas, plus one device without a strategy. With "
+                                "--trace DIR, a few steady steps of the tfdp and "
+                                "MirroredStrategy contenders then run under TensorFlow's "
+                                "profiler: per step, compute vs all-reduce vs idle time and how "
+                                "much of the all-reduce overlapped the backward pass.")
+    add_common_options(p)
+    p.add_argument("--layers", type=int, default=DEFAULTS["layers"], metavar="N",
+                   help=f"Dense layers (default: {DEFAULTS['layers']})")
+    p.add_argument("--width", type=int, default=DEFAULTS["width"], metavar="W",
+                   help=f"units per layer and input width (default: {DEFAULTS['width']})")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], metavar="B",
+                   help=f"global batch size (default: {DEFAULTS['batch']})")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], metavar="S",
+                   help=f"steps per timed fit (default: {DEFAULTS['steps']})")
+    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], metavar="R",
+                   help=f"rounds (default: {DEFAULTS['repeats']})")
+    p.add_argument("--all-reduce", default="auto", metavar="ALG",
+                   help="tfdp's all_reduce argument (default: auto)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="profile steady steps of tfdp and MirroredStrategy into DIR "
+                        "(TensorBoard log directories, Perfetto trace.json.gz) and print the "
+                        "per-step timeline (also written to DIR/timeline.txt)")
+    p.add_argument("--trace-steps", type=int, default=TRACE_STEPS, metavar="S",
+                   help=f"steps profiled per contender with --trace (default: {TRACE_STEPS})")
+    return p
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
+    for name in ("cpu_replicas", "layers", "width", "batch", "steps", "repeats", "trace_steps"):
+        check_positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.batch < args.cpu_replicas:
+        raise UsageError(f"--batch is smaller than --cpu-replicas. Received: --batch "
+                         f"{args.batch} --cpu-replicas {args.cpu_replicas}. Give every replica "
+                         "at least one example per step.")
+    names = all_reduce_names()
+    if args.all_reduce.lower() not in names:
+        raise UsageError(f"Invalid --all-reduce. Received: --all-reduce {args.all_reduce}. "
+                         f"Valid: {', '.join(names)}.")
+    args.all_reduce = args.all_reduce.lower()
+    check_writable("--json", args.json)
+    check_directory("--trace", args.trace)
+    return args
+
+
+def run(args) -> int:
+    result = run_fit(cpu_replicas=args.cpu_replicas, layers=args.layers, width=args.width,
+                     batch=args.batch, steps=args.steps, repeats=args.repeats,
+                     all_reduce=args.all_reduce, progress=not args.quiet,
+                     trace_dir=args.trace, trace_steps=args.trace_steps)
+    print(format_fit(result), flush=True)
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":  # python -m tfdp.bench.fit
+    import sys
+
+    from tfdp.bench.parser import run_standalone
+    sys.exit(run_standalone("fit", parse_args, run))

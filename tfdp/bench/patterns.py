@@ -800,3 +800,71 @@ def format_patterns(result: dict) -> str:
 
 __all__ = ["MULTIWORKER_ROWS", "ROWS", "ROWS_BY_NAME", "Row", "RowResult", "TOL", "Trained",
            "format_patterns", "get_row", "reference", "run_patterns", "run_row"]
+
+
+# --- command line: tfdp bench patterns -----------------------------------------------------------
+
+def build_parser():
+    from tfdp.bench.parser import BenchParser, add_common_options
+    p = BenchParser("tfdp bench patterns",
+                    usage="tfdp bench patterns [--rows NAME,...] [--list] [--cpu-replicas K] "
+                          "[--json FILE] [--quiet]",
+                    description="The user-pattern matrix (tfdp.bench.patterns, also run by "
+                                "tests/test_user_patterns.py): every row trains a tiny Keras "
+                                "model as a user writes it, without a strategy (the one-device "
+                                "reference), under tf.distribute.MirroredStrategy and under tfdp "
+                                "DataParallelStrategy on the same K CPU replicas, and prints a "
+                                "markdown table: max |dw| vs the reference (or 'crashes: ...') "
+                                "and whether tfdp's replica copies of every variable are bitwise "
+                                "identical.",
+                    epilog="tfdp promises max |dw| <= 1e-5 on every row; rows marked "
+                           "per-replica semantics (plain BatchNormalization) only promise "
+                           "identical copies.")
+    add_common_options(p)
+    p.add_argument("--rows", metavar="NAME,...",
+                   help="run only these rows (default: all; --list shows them)")
+    p.add_argument("--list", action="store_true", help="list the rows and exit")
+    return p
+
+
+def parse_args(argv):
+    from tfdp.bench.parser import check_positive, check_writable, split_list
+    from tfdp.errors import UsageError
+    args = build_parser().parse_args(argv)
+    if args.list:
+        return args
+    check_positive("--cpu-replicas", args.cpu_replicas)
+    if args.rows is None:
+        args.rows = [r.name for r in ROWS]
+    else:
+        names = split_list(args.rows)
+        bad = [n for n in names if n not in ROWS_BY_NAME]
+        if bad or not names:
+            raise UsageError(f"Invalid --rows. Received: --rows {args.rows}. Valid: "
+                             f"{', '.join(ROWS_BY_NAME)} (comma-separated; see --list).")
+        args.rows = list(dict.fromkeys(names))
+    check_writable("--json", args.json)
+    return args
+
+
+def run(args) -> int:
+    from tfdp.bench import _common
+    from tfdp.bench.parser import write_json
+    if args.list:
+        width = max(len(r.name) for r in ROWS)
+        for r in ROWS:
+            print(f"{r.name.ljust(width)}  {r.description}")
+        return 0
+    devices = _common.configure_replicas(args.cpu_replicas)  # before the TF runtime starts
+    result = run_patterns([ROWS_BY_NAME[n] for n in args.rows], devices, progress=not args.quiet)
+    print(format_patterns(result), flush=True)
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":  # python -m tfdp.bench.patterns
+    import sys
+
+    from tfdp.bench.parser import run_standalone
+    sys.exit(run_standalone("patterns", parse_args, run))

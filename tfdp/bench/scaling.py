@@ -35,6 +35,8 @@ import statistics
 import sys
 import time
 
+from tfdp.bench import _common
+from tfdp.bench.parser import BenchParser, check_writable, run_standalone, write_json
 from tfdp.errors import TfdpError, UsageError
 
 FORMULA = ("t_comm(n) = 2(n-1)/n * S/B + 2(n-1)*alpha;  "
@@ -137,8 +139,7 @@ def _devices(max_devices: int) -> list[int]:
 
 
 def format_prediction(rows, *, step_s, grad_bytes, bandwidth_Bps, alpha_s, overlap) -> str:
-    from tfdp.bench._common import render_table
-    table = render_table(
+    table = _common.render_table(
         ["devices", "comm ms", "step ms", "efficiency %", "speed-up"],
         [[r["n"], f"{r['t_comm'] * 1e3:.2f}", f"{r['t_step'] * 1e3:.2f}",
           f"{r['efficiency'] * 100:.1f}", f"{r['speedup']:.1f}"] for r in rows])
@@ -216,11 +217,10 @@ def _run_measure_job(workers: int, sizes: list[int], steps: int, timeout: float)
 
 def measure(workers_list, sizes, steps, timeout=300.0, progress=True) -> list[dict]:
     """Median seconds of tfdp's cross-worker all_reduce for each (workers, size), one job per N."""
-    from tfdp.bench._common import fmt_bytes
     points = []
     for w in workers_list:
         if progress:
-            print(f"measuring: {w} workers, sizes {','.join(fmt_bytes(s) for s in sizes)}, "
+            print(f"measuring: {w} workers, sizes {','.join(_common.fmt_bytes(s) for s in sizes)}, "
                   f"{steps} steps each ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         res = _run_measure_job(w, sizes, steps, timeout)
@@ -234,13 +234,12 @@ def measure(workers_list, sizes, steps, timeout=300.0, progress=True) -> list[di
 
 
 def format_comparison(points, alpha_s, bandwidth_Bps) -> str:
-    from tfdp.bench._common import fmt_bytes, render_table
     rows = []
     for p in points:
         pred = ring_allreduce_time(p["n"], p["bytes"], bandwidth_Bps, alpha_s)
-        rows.append([p["n"], fmt_bytes(p["bytes"]), f"{p['seconds'] * 1e3:.2f}",
+        rows.append([p["n"], _common.fmt_bytes(p["bytes"]), f"{p['seconds'] * 1e3:.2f}",
                      f"{pred * 1e3:.2f}", f"{(pred - p['seconds']) / p['seconds'] * 100:+.1f}"])
-    return render_table(["devices", "size", "measured ms", "predicted ms", "error %"], rows)
+    return _common.render_table(["devices", "size", "measured ms", "predicted ms", "error %"], rows)
 
 
 def _cores() -> int:
@@ -253,9 +252,8 @@ def _cores() -> int:
 # --- command line --------------------------------------------------------------------------------
 
 def build_parser():
-    from tfdp.bench.cli import _Parser
     import argparse
-    p = _Parser(prog="tfdp bench scaling", allow_abbrev=False,
+    p = BenchParser("tfdp bench scaling",
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 description=__doc__.split("\n\n", 1)[0] + "\n\n" + FORMULA.replace(";  ", "\n"),
                 epilog="examples:\n"
@@ -302,11 +300,9 @@ def _check_number(name, value, *, allow_zero=False, upper=None):
         raise UsageError(f"Invalid {name}. Received: {name} {value:g}. Give {valid}.")
 
 
-def _parse(argv):
-    from tfdp.bench._common import parse_size
-    from tfdp.bench.cli import _check_writable
+def parse_args(argv):
     args = build_parser().parse_args(argv)
-    args.sizes = [parse_size(s, name="--measure-sizes", cls=UsageError)
+    args.sizes = [_common.parse_size(s, name="--measure-sizes", cls=UsageError)
                   for s in args.measure_sizes.split(",") if s.strip()]
     if args.steps < 1:
         raise UsageError(f"Invalid --steps. Received: --steps {args.steps}. Give an integer >= 1.")
@@ -347,13 +343,16 @@ def _parse(argv):
             raise UsageError(f"Missing {', '.join(missing)}. Received: {' '.join(argv) or '(none)'}"
                              ". Give --step-ms, --grad-mb, --bandwidth-gbps and --alpha-us, or "
                              "--measure to fit B and alpha here.")
-    _check_writable("--json", args.json)
+    check_writable("--json", args.json)
     return args
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse(argv)
+    """``tfdp bench scaling`` in process (usage errors raise UsageError)."""
+    return run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+def run(args) -> int:
     if args.child:
         return _child(args.sizes, args.steps)
     step_s, grad_bytes = args.step_ms / 1e3, args.grad_mb * 1e6
@@ -394,21 +393,9 @@ def main(argv=None) -> int:
                             alpha_s=alpha_s, overlap=args.overlap), flush=True)
     result.update(alpha_s=alpha_s, bandwidth_Bps=bandwidth, rows=rows)
     if args.json:
-        from tfdp.bench.cli import _write_json
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 0
 
 
-def _cli() -> int:
-    try:
-        return main()
-    except UsageError as e:
-        print(f"tfdp bench scaling: error: {e}", file=sys.stderr)
-        return 2
-    except TfdpError as e:
-        print(f"tfdp bench scaling: error: {e}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())
+if __name__ == "__main__":  # python -m tfdp.bench.scaling (also each --measure worker)
+    sys.exit(run_standalone("scaling", parse_args, run))

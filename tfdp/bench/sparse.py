@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import statistics
 import sys
 import time
 
 from tfdp.bench import _common
+from tfdp.bench.parser import BenchParser, check_writable, run_standalone, write_json
 from tfdp.errors import TfdpError, UsageError
 
 DEFAULTS = {"vocab": 1_000_000, "dim": 64, "ids_per_batch": 256 * 8, "cpu_replicas": 4,
@@ -42,15 +41,9 @@ TARGET_SAMPLE_S = 0.02
 MAX_ITERS = 20
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message[:1].upper()}{message[1:]}. "
-                         "Run 'python -m tfdp.bench.sparse --help' for usage.")
-
-
 def build_parser():
-    p = _Parser(prog="tfdp bench sparse", allow_abbrev=False, description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser("tfdp bench sparse", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, default=DEFAULTS["vocab"], metavar="V",
                    help=f"embedding table rows (default: {DEFAULTS['vocab']:,})")
     p.add_argument("--dim", type=int, default=DEFAULTS["dim"], metavar="D",
@@ -88,11 +81,7 @@ def parse_args(argv):
             raise UsageError(f"Invalid --sweep. Received: --sweep {args.sweep}. Give "
                              "comma-separated ids-per-batch values >= 1, e.g. 1000,10000,100000.")
     args.sweep = sweep
-    if args.json:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise UsageError(f"Cannot write --json here. Received: --json {args.json!r}. Give a "
-                             "file path in an existing, writable directory.")
+    check_writable("--json", args.json)
     return args
 
 
@@ -102,7 +91,6 @@ def build_contenders(devices):
     """[(name, strategy, info)]: tfdp gather/densify/auto, MirroredStrategy default/one device."""
     import tensorflow as tf
 
-    from tfdp.bench.allreduce import describe_cross_device_ops
     from tfdp.strategy import DataParallelStrategy
     out = []
     for mode in ("gather", "densify", "auto"):
@@ -111,7 +99,7 @@ def build_contenders(devices):
         s.cross_device_ops.densify_ok = True  # let "auto" apply the rule
         out.append((f"tfdp {mode}", s, {"kind": "tfdp", "sparse": mode}))
     ms = tf.distribute.MirroredStrategy(devices)
-    desc = describe_cross_device_ops(ms)
+    desc = _common.describe_cross_device_ops(ms)
     out.append((f"MS {desc}", ms, {"kind": "mirrored", "default": True,
                                    "cross_device_ops": desc}))
     ms1 = tf.distribute.MirroredStrategy(
@@ -346,25 +334,20 @@ def format_sparse(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = parse_args(argv)
-    except UsageError as e:
-        print(f"tfdp bench sparse: {e}", file=sys.stderr)
-        return 2
-    if "tensorflow" not in sys.modules:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def run(args) -> int:
     result = run_sparse(vocab=args.vocab, dim=args.dim, ids_per_batch=args.ids_per_batch,
                         cpu_replicas=args.cpu_replicas, repeats=args.repeats, sweep=args.sweep,
                         progress=not args.quiet)
     print(format_sparse(result), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(args.json, result)
     return 0
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """``tfdp bench sparse`` in process: usage errors print one line and return 2."""
+    return run_standalone("sparse", parse_args, run, argv)
+
+
+if __name__ == "__main__":  # python -m tfdp.bench.sparse
     sys.exit(main())

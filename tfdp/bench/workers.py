@@ -27,7 +27,6 @@ samples of all rounds. algbw = bytes per worker / time; busbw = algbw * 2(n-1)/n
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -38,6 +37,7 @@ import threading
 import time
 
 from tfdp.bench import _common
+from tfdp.bench.parser import BenchParser, check_writable, run_standalone, write_json
 from tfdp.errors import TfdpError, UsageError, invalid_argument
 
 RESULT_MARK = "BENCH_RESULT "
@@ -75,8 +75,7 @@ def _child(spec: dict) -> int:
     if kind == MWMS_KIND:
         import tensorflow as tf
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        from tfdp.bench.allreduce import describe_cross_device_ops
-        info = {"cross_device_ops": describe_cross_device_ops(strategy)}
+        info = {"cross_device_ops": _common.describe_cross_device_ops(strategy)}
     else:
         from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
         strategy = MultiWorkerDataParallelStrategy(all_reduce=spec["algorithm"],
@@ -87,10 +86,9 @@ def _child(spec: dict) -> int:
                 "compression": strategy.compression}
     import numpy as np
 
-    from tfdp.bench.allreduce import CHECK_TOLERANCE
     rank = int(os.environ.get("TFDP_WORKER_RANK", "0"))
     replicas = strategy.num_replicas_in_sync
-    tol = CHECK_TOLERANCE[spec.get("compression")] * replicas
+    tol = _common.CHECK_TOLERANCE[spec.get("compression")] * replicas
 
     def say(text):
         if rank == 0:
@@ -341,9 +339,8 @@ def _run_job(spec: dict, workers: int, timeout: float, cpu_replicas=None,
 
 
 def job_specs(algorithms, bucket_bytes, compressions, include_mwms=True) -> list[dict]:
-    from tfdp.bench.allreduce import tfdp_name
     show_bucket = len(bucket_bytes) > 1 or bucket_bytes[0] is not None
-    specs = [{"name": tfdp_name(a, b, c, show_bucket), "kind": "tfdp", "algorithm": a,
+    specs = [{"name": _common.tfdp_name(a, b, c, show_bucket), "kind": "tfdp", "algorithm": a,
               "bucket_bytes": b, "compression": c}
              for a in algorithms for b in bucket_bytes for c in compressions]
     if include_mwms:
@@ -378,7 +375,6 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
       A dict like :func:`tfdp.bench.allreduce.run_allreduce`'s, with ``"mode": "workers"``,
       ``"workers"``, ``"rounds"``, ``"baseline"`` and per result ``"ratio_mwms_over_this"``.
     """
-    from tfdp.bench.allreduce import BENCH_ALGORITHMS, MEMORY_NAME, normalize_compressions
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
         raise invalid_argument("workers", workers, fix="A cross-worker benchmark needs at least "
                                "2 workers.")
@@ -386,13 +382,13 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid_argument(name, value, fix="Pass an int >= 1.")
     algorithms = [algorithms] if isinstance(algorithms, str) else list(algorithms)
-    bad = [a for a in algorithms if a not in BENCH_ALGORITHMS]
+    bad = [a for a in algorithms if a not in _common.BENCH_ALGORITHMS]
     if bad or not algorithms:
         raise invalid_argument("algorithms", algorithms, valid=BENCH_ALGORITHMS)
     bucket_bytes = [bucket_bytes] if bucket_bytes is None or isinstance(bucket_bytes, int) \
         else list(bucket_bytes)
     compressions = ([] if isinstance(compression, (list, tuple)) and not compression
-                    else normalize_compressions(compression))
+                    else _common.normalize_compressions(compression))
     if not compressions and not include_mwms:
         raise invalid_argument("compression", compression, fix="Nothing to measure: give a "
                                "compression or include MultiWorkerMirroredStrategy.")
@@ -453,7 +449,7 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
         m = meta[s["name"]]
         contenders.append({"name": s["name"], "kind": s["kind"], "replicas": m["replicas"],
                            "local_devices": m["local_devices"], **m["info"]})
-    contenders.append({"name": MEMORY_NAME, "kind": "memory",
+    contenders.append({"name": _common.MEMORY_NAME, "kind": "memory",
                        "note": "np.add(a, b, out=c) over float32 buffers of each size, in the "
                                "parent process"})
     contenders.append({"name": TCP_NAME, "kind": "tcp",
@@ -514,7 +510,6 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
 
 
 def format_workers(result: dict) -> str:
-    from tfdp.bench.allreduce import _memory_note
     n = result["workers"]
     env = result["environment"]
     reps = {c["replicas"] for c in result["contenders"] if "replicas" in c}
@@ -541,7 +536,7 @@ def format_workers(result: dict) -> str:
               f"busbw = algbw * 2(n-1)/n with n = {n} workers (nccl-tests)."
               + (" MWMS/this = MultiWorkerMirroredStrategy's median / this median; > 1: faster "
                  "than MWMS." if has_base else ""),
-              "References (measured by the parent in the same run): " + _memory_note(result)
+              "References (measured by the parent in the same run): " + _common.memory_note(result)
               + " TCP loopback: one Python stream sends the size and waits for a 1-byte "
               "acknowledgement (the transport's single-stream ceiling)."]
     return "\n".join(lines)
@@ -549,18 +544,12 @@ def format_workers(result: dict) -> str:
 
 # --- `tfdp bench workers`: the older command line, kept as an alias ------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message[:1].upper()}{message[1:]}. "
-                         "Run 'tfdp bench workers --help' for usage.")
-
-
 CONTENDERS = ("tfdp", "tfdp-fp16", "mwms")
 
 
 def build_parser():
-    p = _Parser(prog="tfdp bench workers", allow_abbrev=False,
-                description="Cross-worker all-reduce over loopback: tfdp, tfdp fp16 and "
+    p = BenchParser("tfdp bench workers",
+                    description="Cross-worker all-reduce over loopback: tfdp, tfdp fp16 and "
                             "MultiWorkerMirroredStrategy, plus memory and loopback TCP "
                             "references. An alias of 'tfdp bench allreduce --workers 2 --sizes "
                             "64M --compression none,fp16 --tensors 32 --rounds 3'.")
@@ -581,7 +570,7 @@ def build_parser():
     return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     args = build_parser().parse_args(argv)
     for name in ("workers", "steps", "rounds", "tensors", "cpu_replicas"):
         if getattr(args, name) < 1:
@@ -593,23 +582,33 @@ def main(argv=None) -> int:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     if not contenders or any(c not in CONTENDERS for c in contenders):
         raise invalid_argument("--contenders", args.contenders, valid=CONTENDERS, cls=UsageError)
-    size = _common.parse_size(args.size, name="--size", cls=UsageError)
+    args.contenders = contenders
+    args.size = _common.parse_size(args.size, name="--size", cls=UsageError)
+    check_writable("--json", args.json)
+    return args
+
+
+def run(args) -> int:
+    contenders, size = args.contenders, args.size
     compressions = [c for c, name in ((None, "tfdp"), ("fp16", "tfdp-fp16")) if name in contenders]
-    from tfdp.bench.allreduce import format_allreduce
     result = run_allreduce_workers(
         workers=args.workers, sizes=[size], algorithms=["fused"], compression=compressions,
         repeats=args.steps, rounds=args.rounds, tensors=args.tensors, timeout=args.timeout,
         include_mwms="mwms" in contenders,
         tfdp_cpu_replicas=args.cpu_replicas if args.cpu_replicas > 1 else None,
         progress=not args.quiet)
-    print(format_allreduce(result), flush=True)
+    print(format_workers(result), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return 0
+
+
+def main(argv=None) -> int:
+    """``tfdp bench workers`` in process (usage errors raise UsageError)."""
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child-spec":
         sys.exit(_child(json.loads(sys.argv[2])))
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_standalone("workers", parse_args, run))
