@@ -1,7 +1,8 @@
 """tfdp: fast, correct data-parallel training for TensorFlow / Keras 3.
 
-Public surface: ``DataParallelStrategy``, ``configure_cpu_replicas``, ``data`` (sharded input
-pipelines) and ``__version__``.
+Public surface: ``DataParallelStrategy``, ``set_default_strategy`` (the two-line change: a
+``DataParallelStrategy`` as the program's default strategy, no ``with`` block),
+``configure_cpu_replicas``, ``data`` (sharded input pipelines) and ``__version__``.
 TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_cpu_replicas(n)``
 works before the TF runtime starts.
 
@@ -16,7 +17,8 @@ from tfdp._version import __version__
 from tfdp.devices import apply_cpu_replicas_env_early as _apply_cpu_replicas_env_early
 from tfdp.devices import configure_cpu_replicas
 
-__all__ = ["DataParallelStrategy", "configure_cpu_replicas", "callbacks", "data", "__version__"]
+__all__ = ["DataParallelStrategy", "set_default_strategy", "configure_cpu_replicas", "callbacks",
+           "data", "__version__"]
 
 _apply_cpu_replicas_env_early()
 
@@ -25,6 +27,9 @@ def __getattr__(name):
     if name == "DataParallelStrategy":
         from tfdp.strategy import DataParallelStrategy
         return DataParallelStrategy
+    if name == "set_default_strategy":
+        from tfdp.strategy.default import set_default_strategy
+        return set_default_strategy
     if name in ("callbacks", "data", "cluster", "launch", "train"):
         import importlib
         return importlib.import_module(f"tfdp.{name}")
