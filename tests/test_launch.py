@@ -1,6 +1,7 @@
 """Tests for ``tfdp launch`` (tfdp.launch): no TensorFlow, children are tiny Python programs."""
 
 import io
+import re
 import json
 import os
 import signal
@@ -44,10 +45,10 @@ def run_launch(cmd, workers, **kwargs):
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
-def run_cli(*args, timeout=30):
+def run_cli(*args, timeout=30, env=None):
     """Run ``python -m tfdp launch ARGS`` as a subprocess."""
     return subprocess.run([sys.executable, "-m", "tfdp", "launch", *args], cwd=ROOT,
-                          env=base_env(), capture_output=True, text=True, timeout=timeout)
+                          env=env or base_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def by_worker(text):
@@ -187,8 +188,9 @@ def test_max_restarts():
 @pytest.mark.parametrize("sig,expected", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_is_forwarded(sig, expected):
     cmd = py("print(os.getpid(), flush=True); time.sleep(60)")
-    launcher = subprocess.Popen([sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--",
-                                 *cmd], cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
+    # --all-output: both workers' pids on stdout (by default only worker 0's is shown)
+    launcher = subprocess.Popen([sys.executable, "-m", "tfdp", "launch", "--all-output",
+                                 "--workers", "2", "--", *cmd], cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
         pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
@@ -216,7 +218,7 @@ def _alive(pid):
 
 
 def test_cli_runs_command_without_double_dash():
-    res = run_cli("--workers", "2", sys.executable, "-c", "print('hi')")
+    res = run_cli("--all-output", "--workers", "2", sys.executable, "-c", "print('hi')")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
 
@@ -274,3 +276,351 @@ def test_api_usage_errors():
         launch([], 2)
     with pytest.raises(UsageError, match="workers=0"):
         launch(["true"], 0)
+
+
+# --- output: worker 0 live, the others in log files; TF's C++ log lines hidden ------------------
+
+class _Recorder(io.StringIO):
+    """A stream that remembers when each write arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append((time.monotonic(), text))
+        return super().write(text)
+
+
+def test_worker0_output_is_live_with_prefixes_after_carriage_returns(tmp_path):
+    out, err = _Recorder(), io.StringIO()
+    start = time.monotonic()
+    code = launch(py(f"""
+        if {RANK} == 0:
+            sys.stdout.write("step 1/3"); sys.stdout.flush()
+            time.sleep(1.5)
+            sys.stdout.write("\\rstep 2/3"); sys.stdout.flush()
+            time.sleep(1.5)
+            sys.stdout.write("\\rstep 3/3\\ndone\\n")
+        else:
+            print("hidden from the terminal", {RANK})
+        """), 2, output="worker0", log_dir=str(tmp_path), stdout=out, stderr=err,
+        env=base_env())
+    assert code == 0, err.getvalue()
+    text = out.getvalue()
+    assert text == ("[worker 0] step 1/3\r[worker 0] step 2/3\r[worker 0] step 3/3\n"
+                    "[worker 0] done\n"), repr(text)
+    # the partial line arrived before its newline (live), not at the end
+    first = next(t for t, w in out.writes if "step 1/3" in w)
+    assert first - start < 1.4 + 2.0, first - start
+    last = next(t for t, w in out.writes if "step 3/3" in w)
+    assert last - first > 2.5
+    # worker 1: only in its log file, named at the start and in the summary
+    assert "hidden from the terminal" not in text + err.getvalue()
+    assert (tmp_path / "worker-1.log").read_text() == "hidden from the terminal 1\n"
+    assert "step 2/3" in (tmp_path / "worker-0.log").read_text()
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("tfdp launch: 2 workers; worker 0's output follows")
+    assert f"logs: {tmp_path}/worker-<i>.log (i = 0..1)" in lines[0]
+    assert re.match(r"tfdp launch: 2 workers succeeded in [\d.]+ s; logs: ", lines[-1]), lines
+
+
+def test_worker0_mode_shows_the_failed_workers_tail_and_log(tmp_path):
+    code, out, err, secs = run_launch(py(f"""
+        if {RANK} == 1:
+            for i in range(50):
+                print("line", i)
+            print("Traceback: boom", file=sys.stderr)
+            sys.exit(4)
+        print("worker 0 waits"); sys.stdout.flush()
+        time.sleep(60)
+        """), 2, output="worker0", log_dir=str(tmp_path))
+    assert code == 4 and secs < 15
+    assert out == "[worker 0] worker 0 waits\n"
+    log = tmp_path / "worker-1.log"
+    assert "line 0\n" in log.read_text() and "Traceback: boom" in log.read_text()
+    lines = err.splitlines()
+    i = lines.index(f"tfdp launch: last 30 line(s) of worker 1 (full log: {log}):")
+    tail = lines[i + 1:i + 31]
+    # the last 30 lines (stdout and stderr are separate pipes: in arrival order)
+    assert "[worker 1] Traceback: boom" in tail and "[worker 1] line 49" in tail
+    assert "[worker 1] line 19" not in tail and len(set(tail)) == 30
+    assert re.fullmatch(r"tfdp launch: worker 1 \(127\.0\.0\.1:\d+\) failed with exit code 4; "
+                        r"stopped the other workers", lines[i + 31])
+
+
+def test_default_log_dir_is_created(tmp_path):
+    code, _, err, _ = run_launch(py("print('x')"), 2, output="worker0",
+                                 env=base_env(TMPDIR=str(tmp_path)))
+    assert code == 0, err
+    m = re.search(r"logs: (\S+)/worker-<i>\.log", err)
+    assert m and os.path.isfile(os.path.join(m.group(1), "worker-1.log")), err
+    import shutil
+    shutil.rmtree(m.group(1), ignore_errors=True)
+
+
+TF_INFO = "I0000 00:00:1796122724.579021    9850 port.cc:153] oneDNN custom operations are on."
+TF_WARN = ("W0000 00:00:1796122738.203424    9847 dataset.cc:997] Input of "
+           "GeneratorDatasetOp::Dataset will not be optimized")
+TF_ERR = "E0512 10:11:12.345678    9847 grpc.cc:12] a real error"
+ABSL = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+@pytest.mark.parametrize("output", ["all", "worker0"])
+@pytest.mark.parametrize("how,shown", [("default", False), ("verbose", True),
+                                        ("user_level_0", True), ("user_level_1", "warn")])
+def test_tf_cpp_logs_hidden_unless_asked_for(tmp_path, output, how, shown):
+    env = base_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if how.startswith("user_level"):
+        env["TF_CPP_MIN_LOG_LEVEL"] = how[-1]
+    lines = [ABSL, TF_INFO, TF_WARN, TF_ERR, "user text"]
+    code, out, err, _ = run_launch(py(f"""
+        print(repr(os.environ.get("TF_CPP_MIN_LOG_LEVEL")))
+        sys.stderr.write({chr(10).join(lines) + chr(10)!r})
+        """), 1, env=env, output=output, verbose=how == "verbose", log_dir=str(tmp_path))
+    assert code == 0, err
+    level = {"default": "'2'", "verbose": "None", "user_level_0": "'0'", "user_level_1": "'1'"}
+    assert out == f"[worker 0] {level[how]}\n"
+    got = [ln[len("[worker 0] "):] for ln in err.splitlines() if ln.startswith("[worker 0] ")]
+    expected = {True: lines, False: [TF_ERR, "user text"],
+                "warn": [ABSL, TF_WARN, TF_ERR, "user text"]}[shown]
+    assert got == expected
+    # the log file keeps everything (stdout and stderr in arrival order)
+    assert sorted((tmp_path / "worker-0.log").read_text().splitlines()) == \
+        sorted(lines + [level[how]])
+    if how == "default":
+        assert "TensorFlow's C++ INFO/WARNING logs hidden (TF_CPP_MIN_LOG_LEVEL=2; --verbose " \
+               "shows them)" in err or output == "all"
+
+
+def test_cli_default_and_all_output(tmp_path):
+    cmd = py(f"print('hi', {RANK})")
+    res = run_cli("--workers", "2", "--log-dir", str(tmp_path / "logs"), "--", *cmd)
+    assert res.returncode == 0, res.stderr
+    from tfdp.launch import cli
+    if cli.DEFAULT_OUTPUT == "worker0":
+        assert res.stdout == "[worker 0] hi 0\n"
+    assert (tmp_path / "logs" / "worker-1.log").read_text() == "hi 1\n"
+    env = base_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    res = run_cli("--all-output", "--workers", "2", "--", *cmd, env=env)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[worker 0] hi 0", "[worker 1] hi 1"]
+    assert res.stderr == ("tfdp launch: TensorFlow's C++ INFO/WARNING logs hidden "
+                          "(TF_CPP_MIN_LOG_LEVEL=2; --verbose shows them)\n")
+
+
+def test_cli_help_covers_output_and_nodes():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    for flag in ("--all-output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
+                 "--coordinator", "--workers-per-node", "--join-timeout", "--node-timeout",
+                 "--slurm", "listens on every interface", "prints the addresses it will listen on"):
+        assert flag in " ".join(res.stdout.split()), flag
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--nnodes", "2", "--node-rank", "0", "--workers-per-node", "1", "true"],
+     "Missing --coordinator"),
+    (["--nnodes", "2", "--coordinator", "127.0.0.1:2950", "--workers-per-node", "1", "true"],
+     "Missing --node-rank"),
+    (["--nnodes", "2", "--node-rank", "2", "--coordinator", "127.0.0.1:2950",
+      "--workers-per-node", "1", "true"], "--node-rank=2"),
+    (["--nnodes", "2", "--node-rank", "0", "--coordinator", "127.0.0.1:2950", "true"],
+     "Missing --workers-per-node"),
+    (["--nnodes", "2", "--node-rank", "0", "--coordinator", "127.0.0.1", "--workers-per-node",
+      "1", "true"], "has no port"),
+    (["--nnodes", "2", "--node-rank", "0", "--coordinator", "0.0.0.0:2950",
+      "--workers-per-node", "1", "true"], "can connect to"),
+    (["--nnodes", "2", "--node-rank", "0", "--coordinator", "10.0.0.1:70000",
+      "--workers-per-node", "1", "true"], "invalid port"),
+    (["--nnodes", "0", "--workers", "1", "true"], "--nnodes=0"),
+    (["--nnodes", "2", "--node-rank", "0", "--coordinator", "10.0.0.1:2950", "--workers", "2",
+      "true"], "--workers-per-node"),
+    (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
+      "--workers-per-node", "1", "--host", "127.0.0.1", "true"], "loopback address cannot"),
+    (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
+      "--workers-per-node", "1", "--max-restarts", "1", "true"], "Restarts are for a single"),
+    (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
+      "--workers-per-node", "1", "--join-timeout", "0", "true"], "--join-timeout=0"),
+    (["--node-rank", "1", "--workers", "2", "true"], "without --nnodes"),
+    (["--workers", "2", "--workers-per-node", "3", "true"], "disagree"),
+    (["--workers", "2", "--log-dir", "/proc/version", "true"], "Not a directory"),
+    (["--slurm", "--workers-per-node", "1", "true"], "SLURM_PROCID"),
+    (["--master-addr", "x", "true"], "--coordinator HOST:PORT"),
+])
+def test_cli_node_usage_errors(args, needle):
+    res = run_cli(*args)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfdp launch: error: "), lines
+    assert needle in lines[0]
+
+
+# --- several nodes (here: on one machine, over loopback) ----------------------------------------
+
+def _free_port():
+    import portpicker
+    return portpicker.pick_unused_port()
+
+
+def _node(rank, port, cmd, *extra, nnodes=2, k=2, env=None):
+    args = [sys.executable, "-m", "tfdp", "launch", "--nnodes", str(nnodes), "--node-rank",
+            str(rank), "--coordinator", f"127.0.0.1:{port}", "--workers-per-node", str(k),
+            "--timeout", "40", *extra, "--", *cmd]
+    return subprocess.Popen(args, cwd=ROOT, env=env or base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(*procs, timeout=50):
+    """[(exit code, stdout, stderr, seconds)] of each node launcher; never leaves one behind."""
+    start = time.monotonic()
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+            results.append((p.returncode, out, err, time.monotonic() - start))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return results
+
+
+def test_two_nodes_build_one_cluster():
+    port = _free_port()
+    cmd = py("""
+        import json
+        keys = ["TF_CONFIG", "TFDP_WORKER_RANK", "TFDP_NUM_WORKERS", "TFDP_LOCAL_RANK",
+                "TFDP_NODE_RANK", "TFDP_NUM_NODES", "TFDP_CPU_REPLICAS"]
+        print("ENV", json.dumps({k: os.environ.get(k) for k in keys}))
+        """)
+    n1 = _node(1, port, cmd, "--all-output", "--cpu-replicas", "3")
+    time.sleep(0.5)  # node 1 first: it retries until node 0 listens
+    n0 = _node(0, port, cmd, "--all-output", "--cpu-replicas", "3")
+    (c0, out0, err0, _), (c1, out1, err1, _) = _finish(n0, n1)
+    assert c0 == 0 and c1 == 0, err0 + err1
+    envs = {}
+    for line in (out0 + out1).splitlines():
+        tag, _, rest = line.partition("] ")
+        assert rest.startswith("ENV "), line
+        envs[int(tag[len("[worker "):])] = json.loads(rest[4:])
+    assert sorted(envs) == [0, 1, 2, 3]
+    cluster = json.loads(envs[0]["TF_CONFIG"])["cluster"]
+    assert len(cluster["worker"]) == 4 and len(set(cluster["worker"])) == 4
+    for r, e in envs.items():
+        assert json.loads(e["TF_CONFIG"]) == {"cluster": cluster,
+                                              "task": {"type": "worker", "index": r}}
+        assert (e["TFDP_WORKER_RANK"], e["TFDP_NUM_WORKERS"], e["TFDP_LOCAL_RANK"],
+                e["TFDP_NODE_RANK"], e["TFDP_NUM_NODES"], e["TFDP_CPU_REPLICAS"]) == \
+            (str(r), "4", str(r % 2), str(r // 2), "2", "3")
+    assert f"rendezvous listening on 127.0.0.1:{port}" in err0
+    assert "tfdp launch: all 2 nodes succeeded" in err0
+    for err, (a, b) in ((err0, (0, 1)), (err1, (2, 3))):
+        ports = [cluster["worker"][a].rsplit(":", 1)[1], cluster["worker"][b].rsplit(":", 1)[1]]
+        assert (f"workers {a}..{b} will listen on every interface at port(s) {ports[0]}, "
+                f"{ports[1]}, advertised as {cluster['worker'][a]}, {cluster['worker'][b]}") in err
+
+
+def test_a_failed_worker_on_one_node_stops_every_node():
+    port = _free_port()
+    cmd = py(f"""
+        if {RANK} == 3:
+            time.sleep(0.5); sys.exit(7)
+        time.sleep(60)
+        """)
+    n0, n1 = _node(0, port, cmd), _node(1, port, cmd)
+    (c0, _, err0, s0), (c1, _, err1, s1) = _finish(n0, n1)
+    assert c0 == 7 and c1 == 7, err0 + err1
+    assert s0 < 15 and s1 < 15
+    assert re.search(r"^tfdp launch: worker 3 \(127\.0\.0\.1:\d+\) failed with exit code 7; "
+                     r"stopped the other workers$", err1, re.M), err1
+    assert re.search(r"^tfdp launch: node 1 \(127\.0\.0\.1\): worker 3 \(127\.0\.0\.1:\d+\) "
+                     r"failed with exit code 7; stopped the other workers; stopped the workers "
+                     r"of node 0 \(127\.0\.0\.1\)$", err0, re.M), err0
+
+
+def _kill_node(proc):
+    """A node dies: its launcher and every worker it started (their own sessions)."""
+    kids = []
+    try:
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/children") as f:
+                kids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    for pid in [proc.pid] + kids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_lost_node_ends_the_others_naming_it(how):
+    port = _free_port()
+    cmd = py("print('up', flush=True); time.sleep(60)")
+    n0 = _node(0, port, cmd, "--node-timeout", "3", "--all-output")
+    n1 = _node(1, port, cmd, "--node-timeout", "3", "--all-output")
+    try:
+        for _ in range(2):  # both of node 1's workers run
+            assert n1.stdout.readline().endswith("up\n")
+        lost = time.monotonic()
+        if how == "killed":
+            _kill_node(n1)
+        else:
+            os.kill(n1.pid, signal.SIGSTOP)  # its workers keep running; the launcher is silent
+        out, err = n0.communicate(timeout=30)
+        took = time.monotonic() - lost
+    finally:
+        if how == "frozen":
+            os.kill(n1.pid, signal.SIGCONT)
+        _finish(n0, n1, timeout=30)
+    assert n0.returncode == 1, err
+    assert took < 10, took
+    why = ("was lost: it closed the rendezvous connection" if how == "killed" else
+           r"stopped responding \(no rendezvous heartbeat for \d+ s, --node-timeout 3")
+    assert re.search(rf"^tfdp launch: node 1 \(127\.0\.0\.1\) {why}.*; stopped the workers of "
+                     r"node 0 \(127\.0\.0\.1\)$", err, re.M), err
+
+
+def test_a_node_that_never_shows_up_fails_the_join_in_one_line():
+    port = _free_port()
+    n0 = _node(0, port, ["true"], "--join-timeout", "1")
+    (c0, _, err0, s0), = _finish(n0, timeout=30)
+    assert c0 == 124 and s0 < 15, err0
+    line = [ln for ln in err0.splitlines() if "did not join" in ln]
+    assert len(line) == 1 and line[0].startswith("tfdp launch: node(s) 1 did not join the "
+                                                 f"rendezvous at 127.0.0.1:{port} within 1 s")
+    n1 = _node(1, port, ["true"], "--join-timeout", "1")
+    (c1, _, err1, _), = _finish(n1, timeout=30)
+    assert c1 == 124
+    assert re.search(rf"^tfdp launch: could not reach the coordinator 127\.0\.0\.1:{port} "
+                     r"within 1 s \(--join-timeout\)\. Received: last error: ", err1, re.M), err1
+
+
+def test_nodes_that_disagree_fail_with_one_line_and_a_stray_connection_is_ignored():
+    import socket
+    port = _free_port()
+    n0 = _node(0, port, ["true"], "--join-timeout", "20")
+    deadline = time.monotonic() + 10
+    while True:  # a port scanner / stray client: ignored, the job still forms
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    n1 = _node(1, port, ["true"], "--join-timeout", "20", k=3)
+    (c0, _, err0, _), (c1, _, err1, _) = _finish(n0, n1)
+    assert c0 == 2 and c1 == 2, err0 + err1
+    assert "ignored a connection from 127.0.0.1:" in err0
+    for err in (err0, err1):
+        assert "Traceback" not in err
+        assert re.search(r"^tfdp launch: error: node 1 \(127\.0\.0\.1\) was started with "
+                         r"--workers-per-node 3, node 0 with --workers-per-node 2\. ", err,
+                         re.M), err

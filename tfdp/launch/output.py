@@ -31,7 +31,7 @@ from tfdp.failures import PEER_FAILURE_MARK
 TAIL_LINES = 30  # lines of a failed worker's output shown on the terminal
 _READ = 1 << 16
 # TF/absl C++ log line: "I0000 00:00:1796122748.896802   11406 port.cc:153] ..."
-_TF_LOG = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\s:\]]+:\d+\] ")
+_TF_LOG = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [^\s:\]]+:\d+\] ")
 _SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 _ABSL_PRELUDE = "WARNING: All log messages before absl::InitializeLog() is called are written"
 _TF_LOG_START = re.compile(r"^[IWEF](?:\d{0,4}$|\d{4} )")

@@ -201,6 +201,8 @@ class Coordinator:
                         if peer.closed or time.monotonic() - since > _HELLO_S:
                             pending.remove((peer, since))
                             peer.close()
+                            self.say(f"ignored a connection from {peer.address}: "
+                                     f"{peer.closed or 'it said nothing'}")
                         continue
                     pending.remove((peer, since))
                     why = _check_hello(msg, nnodes, k)
