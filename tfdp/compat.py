@@ -322,3 +322,144 @@ def read_xspace(path: str):
         space.ParseFromString(f.read())
     return space
 
+
+# --- callbacks: drop-in exact resume and Keras's file-writing callbacks across workers ------------
+#
+# tfdp.callbacks.input_position positions the input of a plain ``model.fit(data, callbacks=
+# [tfdp.callbacks.BackupAndRestore(...)])`` at the backed-up step; tfdp.callbacks.shared_files
+# makes Keras's own BackupAndRestore / ModelCheckpoint / CSVLogger write only on the chief. The
+# Keras internals they wrap (Keras 3.15, TF backend):
+#
+#   TFEpochIterator.__init__ / _get_iterator (keras/src/backend/tensorflow/trainer.py)
+#       fit's epoch iterator distributes the data once, then ``iter(self._get_iterator())`` at the
+#       top of every epoch (and again after a finite dataset's last step): the place to replay
+#       the iterators and batches the interrupted run had consumed.
+#   EpochIterator._num_batches / _steps_seen / steps_per_epoch / _interrupted_warning
+#       the counters its epoch loop reads (shortened for the resumed, partial epoch).
+#   keras.callbacks.BackupAndRestore._save_model / on_train_end, ModelCheckpoint._save_model,
+#   CSVLogger.on_train_begin: where Keras's callbacks write files.
+
+def keras_callbacks_hook_points():
+    """{name: (owner class, attribute)} for every Keras internal tfdp.callbacks wraps."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.callbacks import backup_and_restore, csv_logger, model_checkpoint
+    return {
+        "epoch_iterator_init": (tf_trainer.TFEpochIterator, "__init__"),
+        "epoch_iterator_get_iterator": (tf_trainer.TFEpochIterator, "_get_iterator"),
+        "backup_save": (backup_and_restore.BackupAndRestore, "_save_model"),
+        "backup_train_end": (backup_and_restore.BackupAndRestore, "on_train_end"),
+        "checkpoint_save": (model_checkpoint.ModelCheckpoint, "_save_model"),
+        "csv_train_begin": (csv_logger.CSVLogger, "on_train_begin"),
+    }
+
+
+_TFDP_CALLBACKS_ORIGINAL = "__tfdp_callbacks_original__"
+
+
+def wrap_keras_callbacks(hooks) -> None:
+    """Install ``hooks`` ({name: make(original) -> replacement}) at
+    ``keras_callbacks_hook_points()`` (as ``wrap_keras``, with its own marker so that the two
+    never mistake each other's wrappers). Idempotent."""
+    import functools
+    points = keras_callbacks_hook_points()
+    for name, make in hooks.items():
+        owner, attr = points[name]
+        current = owner.__dict__[attr]
+        if getattr(current, _TFDP_CALLBACKS_ORIGINAL, None) is not None:
+            continue
+        replacement = functools.wraps(current)(make(current))
+        setattr(replacement, _TFDP_CALLBACKS_ORIGINAL, current)
+        setattr(owner, attr, replacement)
+
+
+def keras_is_fit_epoch_iterator(init_kwargs) -> bool:
+    """Whether a ``TFEpochIterator`` made with these keyword arguments is ``fit``'s training
+    iterator: only ``fit`` passes ``class_weight`` (``evaluate``, ``predict`` and fit's
+    validation iterator do not)."""
+    return "class_weight" in init_kwargs
+
+
+def keras_array_adapter_shuffles(data_adapter):
+    """Whether ``data_adapter`` is Keras's numpy/array adapter with ``shuffle`` on (it then
+    shuffles with ``tf.random.shuffle`` in its tf.data pipeline, seeded only by the global seed
+    in force when the epoch iterator was made)."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+    return (isinstance(data_adapter, array_data_adapter.ArrayDataAdapter)
+            and bool(getattr(data_adapter, "_shuffle", False)))
+
+
+def keras_python_data_adapter(data_adapter):
+    """The kind of Keras adapter that runs Python to produce batches ("generator",
+    "PyDataset"), or None for arrays and tf.data."""
+    from keras.src.trainers.data_adapters import generator_data_adapter, py_dataset_adapter
+    if isinstance(data_adapter, generator_data_adapter.GeneratorDataAdapter):
+        return "generator"
+    if isinstance(data_adapter, py_dataset_adapter.PyDatasetAdapter):
+        return "PyDataset"
+    return None
+
+
+def tf_global_seed():
+    """TensorFlow's global seed (``tf.random.set_seed`` / ``keras.utils.set_random_seed``), or
+    None when none is set (read without drawing an operation seed)."""
+    return _context.global_seed()
+
+
+def distributed_dataset_source(distributed_dataset):
+    """The ``tf.data.Dataset`` a ``tf.distribute`` DistributedDataset was made from, or None."""
+    return getattr(distributed_dataset, "_original_dataset", None)
+
+
+def shuffle_dataset_seeds(dataset):
+    """``(seed, seed2, reshuffle_each_iteration)`` of a ``Dataset.shuffle`` node, or None for
+    any other dataset (``seed`` is None for an unseeded shuffle without a global seed)."""
+    if type(dataset).__name__ != "_ShuffleDataset":
+        return None
+    return (getattr(dataset, "_seed", None), getattr(dataset, "_seed2", None),
+            bool(getattr(dataset, "_reshuffle_each_iteration", True)))
+
+
+class KerasEpochIterator:
+    """The counters of a Keras ``EpochIterator`` that its epoch loop reads (a view; Keras 3.15
+    ``keras/src/trainers/epoch_iterator.py``)."""
+
+    def __init__(self, epoch_iterator):
+        self.target = epoch_iterator
+
+    @property
+    def num_batches(self):
+        """Batches in the data (None: unknown); the loop stops once ``steps_seen`` reaches it."""
+        return self.target._num_batches  # pylint: disable=protected-access
+
+    @num_batches.setter
+    def num_batches(self, value):
+        self.target._num_batches = value  # pylint: disable=protected-access
+
+    @property
+    def steps_seen(self) -> int:
+        """Batches read from the current iterator (reset when Keras makes a new one)."""
+        return self.target._steps_seen  # pylint: disable=protected-access
+
+    @property
+    def steps_per_epoch(self):
+        return self.target.steps_per_epoch
+
+    @property
+    def data_adapter(self):
+        return getattr(self.target, "data_adapter", None)
+
+    @property
+    def distributed_dataset(self):
+        return getattr(self.target, "_distributed_dataset", None)
+
+    @property
+    def strategy(self):
+        return getattr(self.target, "_distribute_strategy", None)
+
+    def silence_interrupted_warning(self, silent: bool) -> None:
+        """Keras warns "Your input ran out of data" when the loop stops at ``num_batches``
+        with ``steps_per_epoch`` set; silence it (an instance attribute) or restore it."""
+        if silent:
+            self.target._interrupted_warning = lambda *a, **k: None  # noqa: E731
+        else:
+            self.target.__dict__.pop("_interrupted_warning", None)

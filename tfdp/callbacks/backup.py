@@ -4,12 +4,16 @@
 three differences:
 
 * **Exact resume.** It records the data position (epoch, step in that epoch, global step) with
-  the model's and the optimizer's variables (slots, ``iterations``, the learning rate), so a
-  restarted job continues at the exact step. Keras 3's callback replays the interrupted epoch.
-  The data position is yours to honour: :meth:`BackupAndRestore.fit` does it (a partial first
-  epoch from ``make_dataset(epoch, start_step)``, then whole epochs), or read
-  ``backup.initial_epoch`` / ``backup.start_step`` and pass them to ``model.fit(initial_epoch=)``
-  and ``tfdp.data.distribute(..., epoch=, start_step=)`` yourself.
+  the model's and the optimizer's variables (slots, ``iterations``, the learning rate) and the
+  running metrics of the epoch, so a restarted job continues at the exact step. Keras 3's
+  callback replays the interrupted epoch. Passed to ``model.fit(data, epochs=E, callbacks=
+  [backup])`` as it is, it also puts fit's input back where the interrupted run stood
+  (:mod:`tfdp.callbacks.input_position`: the iterators and batches that run had consumed are
+  replayed; exact for arrays with a global seed, any deterministic ``tf.data`` pipeline, seeded
+  shuffles included; what cannot be replayed exactly is named in one warning at restore time).
+  :meth:`BackupAndRestore.fit` positions the data itself instead (a partial first epoch from
+  ``make_dataset(epoch, start_step)``, then whole epochs); or read ``backup.initial_epoch`` /
+  ``backup.start_step`` and pass them to your own pipeline.
 * **Multi-worker aware.** Only the chief (rank 0, or the only worker) writes ``backup_dir``;
   every worker restores from it (a shared file system, as with Keras). Writes are atomic: the
   state goes to a private temporary file that is ``os.replace``-d into place, then a JSON
@@ -27,10 +31,12 @@ Layout of ``backup_dir``::
     backup.json            sidecar: format, tfdp version, epoch, step_in_epoch, global_step,
                            fingerprint, state file name (replaced atomically, last)
     state-<step>.npz       variables in order: model.variables, then optimizer.variables
+                           (v00000...), then the model's metric variables (m00000...)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,13 +50,15 @@ import numpy as np
 import keras
 
 from tfdp._version import __version__
+from tfdp.callbacks import input_position
 from tfdp.errors import TfdpError, invalid_argument
+from tfdp.strategy.role import worker_role
 
 log = logging.getLogger("tfdp")
 
 SIDECAR = "backup.json"
 FORMAT = "tfdp-backup"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metric variables (m*) and fit's input position ("input")
 _STATE_RE = re.compile(r"^state-\d+\.npz$")
 _TMP_PREFIX = ".tmp-"
 
@@ -69,12 +77,18 @@ def _check_save_freq(save_freq):
 
 
 def _is_chief(strategy) -> bool:
-    """True for the worker that writes: rank 0 of a tfdp cluster, else ``should_checkpoint``."""
-    cluster = getattr(strategy, "cluster", None)
-    if cluster is not None and hasattr(cluster, "is_chief"):
-        return bool(cluster.is_chief)
-    extended = getattr(strategy, "extended", None)
-    return bool(getattr(extended, "should_checkpoint", True))
+    """True for the worker that writes (``tfdp.strategy.worker_role``)."""
+    return worker_role(strategy).is_chief
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """A training position: the epoch, training steps done in it, and steps done in all epochs
+    (across restarts)."""
+
+    epoch: int
+    step_in_epoch: int
+    global_step: int
 
 
 def _kind(path: str) -> str:
@@ -204,6 +218,10 @@ def read_sidecar(backup_dir: str) -> dict | None:
                 "global_step": int, "fingerprint": str, "state": str}
     bad = [k for k, t in required.items()
            if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if isinstance(meta, dict) and meta.get("input") is not None and not (
+            isinstance(meta["input"], dict)
+            and all(isinstance(meta["input"].get(k), int) for k in ("iterator", "consumed"))):
+        bad.append("input")
     if isinstance(meta, dict) and meta.get("format") not in (None, FORMAT):
         bad = ["format"]
     if bad or not _STATE_RE.match(meta["state"]) or meta["format_version"] > FORMAT_VERSION:
@@ -225,12 +243,15 @@ class BackupAndRestore(keras.callbacks.Callback):
       delete_checkpoint: delete the backup when training finishes successfully (as Keras). A
         failed run (an exception, :class:`NaNGuard` giving up) never deletes it.
 
-    Use in ``model.fit(callbacks=[backup])`` restores the model and optimizer at
-    ``on_train_begin`` and skips to ``backup.initial_epoch``; when a step-level backup was taken
-    mid-epoch, the data must start at ``backup.start_step`` too: use :meth:`fit`, or
-    ``tfdp.data.distribute(..., epoch=backup.initial_epoch, start_step=backup.start_step)``.
+    Use in ``model.fit(data, epochs=E, callbacks=[backup])`` restores the model, the optimizer
+    and the epoch's running metrics at ``on_train_begin``, skips to ``backup.initial_epoch`` and
+    puts fit's input at ``backup.start_step`` of that epoch (the resumed epoch runs only its
+    remaining steps; Keras's batch indices in it start at 0). :meth:`fit` with a dataset factory
+    is the other way (the factory positions the data).
 
-    Attributes (after a restore, or read from ``backup_dir`` before any): ``initial_epoch``,
+    Position API (what :class:`NaNGuard` and :class:`PreemptionCheckpoint` use):
+    ``position`` (where training stands, or will resume), ``restore_point`` (the backup on
+    disk), ``save_now(reason)``, ``restore()``, ``failed``. Also ``initial_epoch``,
     ``start_step`` (training steps already done in that epoch), ``global_step``.
     """
 
@@ -255,8 +276,51 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._synced = False         # model state and counters are this callback's (no restore)
         self._in_helper = False
         self._steps_per_epoch = None
+        self._input = None           # fit's input position (input_position.InputTracker)
+        self._resume_metrics = None  # metric values to put back at the resumed epoch's start
+        self._saved_metrics = []     # the metric values of the backup last restored
+        self._next_read = None       # the input position of the backup being written
+        input_position.install()     # fit's epoch iterators must be tracked from the first fit
 
     # --- position -------------------------------------------------------------------------
+
+    @property
+    def position(self) -> Position:
+        """Where training stands: after the last step counted (during ``fit``), else where a
+        restarted run resumes (the backup on disk; epoch 0, step 0 without one)."""
+        return Position(*self._position())
+
+    @property
+    def restore_point(self) -> Position | None:
+        """The position of the backup in ``backup_dir`` (what :meth:`restore` loads), or None."""
+        meta = read_sidecar(self.backup_dir)
+        if meta is None:
+            return None
+        return Position(meta["epoch"], meta["step_in_epoch"], meta["global_step"])
+
+    def save_now(self, reason: str, batch: int | None = None, logs=None) -> bool:
+        """Back up the current position now, unless a backup of this step exists already.
+
+        Args:
+          reason: who asks (named in the log line and in errors), e.g. ``"PreemptionCheckpoint"``.
+          batch: the Keras batch index of the step that just ended, when called from another
+            callback's ``on_train_batch_end``: checks that this backup counted that step (it
+            must come first in ``callbacks``).
+          logs: the step's logs (a non-finite loss is never backed up).
+
+        Every worker must call it at the same step (only the chief writes). Returns whether
+        this process wrote a backup.
+        """
+        if batch is not None and self._batch_seen != batch:
+            raise TfdpError(
+                f"{reason} runs before its BackupAndRestore. Received: callbacks in that order "
+                f"(the backup has not counted batch {batch} yet). Place the backup first "
+                "(backup.fit(..., callbacks=[...]) does).")
+        if self._last_saved_step == self._global_step:
+            return False
+        log.info("tfdp BackupAndRestore: backup at global step %d (%s)", self._global_step,
+                 reason)
+        return self._save_step(logs)
 
     def _position(self):
         if not self._synced and self._meta is None:
@@ -306,6 +370,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                         "(the last good one is kept)", loss, self._global_step)
             return False
         self._last_saved_step = self._global_step
+        # Metric variables are summed over replicas when read (across workers: a collective),
+        # so every worker reads them, in the same order, before only the chief goes on.
+        metric_arrays = [np.asarray(v) for v in self._metric_variables()]
+        next_read, self._next_read = self._next_read_now(), None
+        if next_read is not None:  # which fit it belongs to: a fit of as many epochs
+            next_read = dict(next_read, epochs=(self.params or {}).get("epochs"))
         if not _is_chief(self._strategy()):
             return False
         model_vars, opt_vars = _variables(self.model)
@@ -321,11 +391,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise self._foreign_error(previous, fp)
         state = f"state-{self._global_step}.npz"
         payload = {f"v{i:05d}": a for i, a in enumerate(arrays)}
+        payload.update({f"m{i:05d}": a for i, a in enumerate(metric_arrays)})
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "tfdp_version": __version__,
                 "epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
                 "global_step": self._global_step, "fingerprint": fp, "state": state,
                 "num_model_variables": len(model_vars),
-                "num_optimizer_variables": len(opt_vars)}
+                "num_optimizer_variables": len(opt_vars),
+                "num_metric_variables": len(metric_arrays),
+                "input": next_read}
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
             _atomic_write(os.path.join(self.backup_dir, state),
@@ -347,6 +420,34 @@ class BackupAndRestore(keras.callbacks.Callback):
                 except OSError:
                     pass
         return True
+
+    def _metric_variables(self):
+        return list(getattr(self.model, "metrics_variables", None) or [])
+
+    def _next_read_now(self):
+        """fit's input position for the backup being written (None: not tracked)."""
+        if self._input is None or self._in_helper:
+            return None
+        if self._next_read is not None:
+            return self._next_read
+        return self._input.next_read(epoch_done=False)
+
+    def _save_step(self, logs=None) -> bool:
+        """Back up after a training step; the epoch's last step is backed up as the start of
+        the next epoch."""
+        fit_steps = (self.params or {}).get("steps")
+        if ((self._steps_per_epoch and self._step_in_epoch >= self._steps_per_epoch)
+                or (not self._in_helper and fit_steps and self._step_in_epoch >= fit_steps)):
+            epoch, step = self._epoch, self._step_in_epoch  # the epoch's last step: next epoch
+            self._epoch, self._step_in_epoch = epoch + 1, 0
+            if self._input is not None:
+                self._next_read = self._input.next_read(epoch_done=True)
+            try:
+                return self.save(logs)
+            finally:
+                self._epoch, self._step_in_epoch = epoch, step
+                self._next_read = None
+        return self.save(logs)
 
     def _foreign_error(self, meta, fp):
         return BackupError(
@@ -373,10 +474,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         path = os.path.join(self.backup_dir, meta["state"])
         try:
             with np.load(path, allow_pickle=False) as f:
-                keys = sorted(f.files)
+                keys = sorted(k for k in f.files if k.startswith("v"))
                 if keys != [f"v{i:05d}" for i in range(len(variables))]:
                     raise ValueError(f"{len(keys)} arrays for {len(variables)} variables")
                 values = [f[k] for k in keys]
+                metric_keys = sorted(k for k in f.files if k.startswith("m"))
+                if len(metric_keys) + len(keys) != len(f.files):
+                    raise ValueError(f"unexpected arrays {sorted(f.files)[:8]}")
+                metric_values = [f[k] for k in metric_keys]
         except Exception as e:  # noqa: BLE001 - OSError, BadZipFile, ValueError: unreadable
             if isinstance(e, ValueError) and "pickle" in str(e).lower():
                 # numpy's own message suggests loading it unsafely: never repeat that advice.
@@ -395,6 +500,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 raise self._foreign_error(meta, fp)
             v.assign(value)
         self._meta = meta
+        self._saved_metrics = metric_values
         self.restored = True
         return meta
 
@@ -405,6 +511,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     # --- Keras hooks ----------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        if not self._in_helper:
+            self._input = input_position.claim(self.model)  # this fit's input position
         if not self._synced:
             meta = read_sidecar(self.backup_dir)
             if meta is not None:
@@ -413,49 +521,100 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if not self._in_helper:
                     self.model._initial_epoch = meta["epoch"]
                     self._offset = meta["step_in_epoch"]
-                    if meta["step_in_epoch"]:
-                        log.warning(
-                            "tfdp BackupAndRestore: resumed at epoch %d step %d; model.fit "
-                            "starts the epoch's data from its beginning unless the dataset "
-                            "skips %d steps (use backup.fit or tfdp.data.distribute(..., "
-                            "start_step=backup.start_step))", meta["epoch"],
-                            meta["step_in_epoch"], meta["step_in_epoch"])
+                    self._position_input(meta)
             else:
                 self._epoch = self._step_in_epoch = self._global_step = 0
                 self._check_optimizer()
                 self.save()  # a first good state: NaNGuard can always roll back
             self._synced = True
 
+    def _position_input(self, meta):
+        """Drop-in resume: put fit's input (and the epoch's running metrics) where the backup
+        was taken, and say once if that cannot be exact."""
+        epoch, step = meta["epoch"], meta["step_in_epoch"]
+        where = f"epoch {epoch} step {step} (global step {meta['global_step']})"
+        saved_input = meta.get("input")
+        tracker = self._input
+        if saved_input is not None and saved_input.get("epochs") != (self.params or {}).get(
+                "epochs"):
+            # written by another fit call (e.g. one fit per epoch on data the caller positions
+            # itself): its input position says nothing about this fit's data
+            if step:
+                log.warning("tfdp BackupAndRestore: resumed at %s, but the backup was written "
+                            "by a fit of %s epochs and this fit has %s: fit's input is not "
+                            "positioned (pass data that starts at step %d, or use backup.fit)",
+                            where, saved_input.get("epochs"), (self.params or {}).get("epochs"),
+                            step)
+            return
+        if tracker is None or saved_input is None or not input_position.positionable(tracker):
+            why = []
+            if tracker is not None:
+                why = input_position.not_exact_reasons(tracker)
+            if step or why:
+                log.warning(
+                    "tfdp BackupAndRestore: resumed at %s, but fit's input is not positioned "
+                    "(%s): the epoch's data starts from its beginning. Pass the callback to "
+                    "model.fit in the run that writes the backup, or use backup.fit / "
+                    "tfdp.data.distribute(..., start_step=backup.start_step)", where,
+                    "; ".join(why) if why else
+                    "the backup holds no input position" if saved_input is None else
+                    "this fit's input is not tracked")
+            return
+        tracker.pending = (saved_input["iterator"], saved_input["consumed"], step)
+        if step:
+            n = len(self._metric_variables())
+            if len(self._saved_metrics) == n:
+                self._resume_metrics = self._saved_metrics
+            else:
+                log.warning("tfdp BackupAndRestore: the backup holds %d metric variables but "
+                            "the model has %d; the resumed epoch's metrics restart at %s",
+                            len(self._saved_metrics), n, where)
+        reasons = input_position.not_exact_reasons(tracker)
+        if reasons:
+            log.warning("tfdp BackupAndRestore: resumed at %s; the input is replayed to that "
+                        "step, but the resumed run will not be exact: %s", where,
+                        "; ".join(reasons))
+        else:
+            log.info("tfdp BackupAndRestore: resumed at %s (input replayed: %d iterator(s), "
+                     "%d batch(es))", where, saved_input["iterator"], saved_input["consumed"])
+
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
             self._offset = 0
         self._epoch = epoch
         self._batch_seen = -1
+        if self._resume_metrics is not None:
+            # fit reset the metrics just before; the resumed epoch goes on from the backup's
+            values, self._resume_metrics = self._resume_metrics, None
+            for v, value in zip(self._metric_variables(), values):
+                v.assign(value)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._global_step += batch - self._batch_seen
+        steps = batch - self._batch_seen
+        self._global_step += steps
         self._batch_seen = batch
         self._step_in_epoch = self._offset + batch + 1
+        if self._input is not None:
+            self._input.count_steps(steps)
         if (self.save_freq == "epoch"
                 or self._global_step // self.save_freq <= self._last_saved_step // self.save_freq):
             return
-        fit_steps = (self.params or {}).get("steps")
-        if ((self._steps_per_epoch and self._step_in_epoch >= self._steps_per_epoch)
-                or (not self._in_helper and fit_steps and batch + 1 >= fit_steps)):
-            epoch, step = self._epoch, self._step_in_epoch  # the epoch's last step: next epoch
-            self._epoch, self._step_in_epoch = epoch + 1, 0
-            self.save(logs)
-            self._epoch, self._step_in_epoch = epoch, step
-        else:
-            self.save(logs)
+        self._save_step(logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._step_in_epoch, self._offset = epoch + 1, 0, 0
         if self.save_freq == "epoch":
-            self.save(logs)
+            if self._input is not None and not self._in_helper:
+                self._next_read = self._input.next_read(epoch_done=True, after_loop=True)
+            try:
+                self.save(logs)
+            finally:
+                self._next_read = None
 
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None
+        self._input = None
+        self._resume_metrics = None
         if not self._in_helper:
             self._finish()
 

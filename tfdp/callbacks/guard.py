@@ -88,24 +88,26 @@ class NaNGuard(keras.callbacks.Callback):
         if bad is None:
             return
         b = self.backup
-        where = f"epoch {b._epoch}, step {b._step_in_epoch} (global step {b._global_step})"
-        meta = b._meta or {}
+        pos = b.position
+        where = f"epoch {pos.epoch}, step {pos.step_in_epoch} (global step {pos.global_step})"
+        point = b.restore_point
+        last_good = None if point is None else point.global_step
         if self.rollbacks >= self.max_rollbacks:
             b.failed = True
             raise DivergenceError(message(
                 f"Training diverged at {where} after {self.rollbacks} rollback(s)",
                 f"{bad}, max_rollbacks={self.max_rollbacks}",
-                f"The last good backup (global step {meta.get('global_step')}) is kept in "
+                f"The last good backup (global step {last_good}) is kept in "
                 f"{b.backup_dir!r}. Lower the learning rate (lr_factor={self.lr_factor}), check "
                 "the data for NaN/Inf, or raise max_rollbacks; then resume from the backup."))
         b.restore()
         self.rollbacks += 1
         lr = self._lower_lr()
         self.model.reset_metrics()  # the epoch's running loss holds the NaN
-        self.events.append({"epoch": b._epoch, "step": b._step_in_epoch,
-                            "global_step": b._global_step, "value": bad, "learning_rate": lr})
+        self.events.append({"epoch": pos.epoch, "step": pos.step_in_epoch,
+                            "global_step": pos.global_step, "value": bad, "learning_rate": lr})
         log.warning("tfdp NaNGuard: %s at %s; rolled back to global step %s (rollback %d of %d)%s",
-                    bad, where, meta.get("global_step"), self.rollbacks, self.max_rollbacks,
+                    bad, where, last_good, self.rollbacks, self.max_rollbacks,
                     "" if lr is None else f"; learning rate now {lr:g}")
 
     def _lower_lr(self):

@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from tfdp.callbacks.backup import BackupAndRestore
 from tfdp.callbacks.throughput import num_workers
-from tfdp.errors import TfdpError, invalid_argument
+from tfdp.errors import invalid_argument
 
 log = logging.getLogger("tfdp")
 
@@ -175,29 +175,16 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         if not self._agree(self.requested):
             return
         b = self.backup
-        if b._batch_seen != batch:
-            raise TfdpError(
-                "PreemptionCheckpoint runs before its BackupAndRestore. Received: callbacks in "
-                "that order. Place the backup first (backup.fit(..., callbacks=[preempt]) does).")
-        if b._last_saved_step != b._global_step:  # not already saved at this step
-            fit_steps = (b.params or {}).get("steps")
-            if ((b._steps_per_epoch and b._step_in_epoch >= b._steps_per_epoch)
-                    or (not b._in_helper and fit_steps and batch + 1 >= fit_steps)):
-                epoch, step = b._epoch, b._step_in_epoch  # the epoch's last step: next epoch
-                b._epoch, b._step_in_epoch = epoch + 1, 0
-                try:
-                    b.save(logs)
-                finally:
-                    b._epoch, b._step_in_epoch = epoch, step
-            else:
-                b.save(logs)
+        # (the epoch's last step is backed up as the start of the next epoch; a step backed up
+        # already is not written twice)
+        b.save_now("PreemptionCheckpoint (SIGTERM)", batch=batch, logs=logs)
         self._agree(True)  # barrier: the chief's write is done before anyone exits
-        self.preempted_at = b._global_step
+        self.preempted_at = b.position.global_step
         self.requested = False     # caught in-process, a new fit starts afresh
         self.model.stop_training = True
         self._held = 0
         self._uninstall()
-        err = Preempted(self.exit_code, b._global_step)
+        err = Preempted(self.exit_code, self.preempted_at)
         log.warning("%s", err)
         raise err
 

@@ -189,24 +189,16 @@ class Throughput(keras.callbacks.Callback):
 # --- across workers ------------------------------------------------------------------------------
 
 def num_workers(strategy) -> int:
-    """Worker processes behind ``strategy`` (replicas in sync / local replicas; 1 for TF's
-    default strategy)."""
-    cluster = getattr(strategy, "cluster", None)
-    if cluster is not None and hasattr(cluster, "num_workers"):
-        return int(cluster.num_workers)
-    try:
-        local = len(strategy.extended.worker_devices)
-    except (RuntimeError, AttributeError):   # the default strategy has no worker devices
-        return 1
-    return max(1, strategy.num_replicas_in_sync // max(1, local))
+    """Worker processes behind ``strategy`` (``tfdp.strategy.worker_role(strategy).count``; 1
+    for TF's default strategy)."""
+    from tfdp.strategy.role import worker_role
+    return worker_role(strategy).count
 
 
 def worker_rank(strategy) -> int:
-    cluster = getattr(strategy, "cluster", None)
-    if cluster is not None and hasattr(cluster, "rank"):
-        return int(cluster.rank)
-    resolver = getattr(strategy, "cluster_resolver", None)
-    return int(getattr(resolver, "task_id", 0) or 0)
+    """This worker's rank (``tfdp.strategy.worker_role(strategy).index``)."""
+    from tfdp.strategy.role import worker_role
+    return worker_role(strategy).index
 
 
 def gather_per_worker(strategy, values) -> np.ndarray:
