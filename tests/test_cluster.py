@@ -342,3 +342,40 @@ def test_check_port_free_detects_a_bound_port(listen):
 def test_check_port_free_bad_arguments(host, port, expected):
     with pytest.raises(TfdpError, match=expected):
         check_port_free(host, port)
+
+
+# --- tfdp launch --slurm: one launcher per node ---------------------------------------------------
+
+def _launch_env(**over):
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "3",
+           "SLURM_STEP_NODELIST": "gpu[09-10],cpu1", "SLURMD_NODENAME": "gpu10"}
+    env.update(over)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_slurm_nodes_one_launcher_per_node():
+    from tfdp.cluster.slurm import slurm_nodes
+    assert slurm_nodes(_launch_env()) == (3, 1, "gpu09")
+    assert slurm_nodes(_launch_env(SLURM_PROCID="2", SLURMD_NODENAME="cpu1")) == (3, 2, "gpu09")
+    # the job variables when the step ones are missing
+    env = _launch_env(SLURM_STEP_NUM_TASKS=None, SLURM_STEP_NUM_NODES=None,
+                      SLURM_STEP_NODELIST=None, SLURM_NTASKS="3", SLURM_JOB_NUM_NODES="3",
+                      SLURM_JOB_NODELIST="gpu[09-10],cpu1")
+    assert slurm_nodes(env) == (3, 1, "gpu09")
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"SLURM_PROCID": None}, "needs srun's environment"),
+    ({"SLURM_STEP_NUM_TASKS": "6"}, "one tfdp launch per node, but this step has 6 task(s) on 3"),
+    ({"SLURM_STEP_NUM_NODES": "2"}, "does not match SLURM_STEP_NODELIST (3 node(s))"),
+    ({"SLURM_PROCID": "3"}, "It must be in 0..2"),
+    ({"SLURMD_NODENAME": "cpu1"}, "another node than SLURM_STEP_NODELIST predicts ('gpu10')"),
+    ({"SLURM_STEP_NODELIST": "gpu[10-09]"}, "Invalid range"),
+])
+def test_slurm_nodes_errors(over, needle):
+    from tfdp.cluster.slurm import slurm_nodes
+    with pytest.raises(TfdpError) as e:
+        slurm_nodes(_launch_env(**over))
+    assert needle in str(e.value)
+    if "range" not in needle:  # the hostlist's own errors show the expected syntax instead
+        assert "srun" in str(e.value)
