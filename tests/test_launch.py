@@ -624,3 +624,24 @@ def test_nodes_that_disagree_fail_with_one_line_and_a_stray_connection_is_ignore
         assert re.search(r"^tfdp launch: error: node 1 \(127\.0\.0\.1\) was started with "
                          r"--workers-per-node 3, node 0 with --workers-per-node 2\. ", err,
                          re.M), err
+
+
+def test_slurm_launchers_build_one_cluster():
+    """`srun --ntasks-per-node=1 tfdp launch --slurm ...` as srun would start it on 2 nodes."""
+    port = _free_port()
+    cmd = py("print('ENV', os.environ['TFDP_WORKER_RANK'], os.environ['TFDP_NODE_RANK'], "
+             "os.environ['TFDP_NUM_WORKERS'])")
+    procs = []
+    for rank in (1, 0):
+        env = base_env(SLURM_PROCID=str(rank), SLURM_STEP_NUM_TASKS="2",
+                       SLURM_STEP_NUM_NODES="2", SLURM_STEP_NODELIST="localhost,127.0.0.1",
+                       SLURM_JOB_ID="42")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tfdp", "launch", "--slurm", "--coordinator",
+             f"127.0.0.1:{port}", "--workers-per-node", "1", "--all-output", "--timeout", "40",
+             "--", *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True))
+    (c1, out1, err1, _), (c0, out0, err0, _) = _finish(*procs)
+    assert c0 == 0 and c1 == 0, err0 + err1
+    assert out0 == "[worker 0] ENV 0 0 2\n" and out1 == "[worker 1] ENV 1 1 2\n"
+    assert "node 0 of 2: rendezvous listening" in err0 and "node 1 of 2: joining" in err1
