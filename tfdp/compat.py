@@ -415,8 +415,14 @@ def shuffle_dataset_seeds(dataset):
     any other dataset (``seed`` is None for an unseeded shuffle without a global seed)."""
     if type(dataset).__name__ != "_ShuffleDataset":
         return None
-    return (getattr(dataset, "_seed", None), getattr(dataset, "_seed2", None),
-            bool(getattr(dataset, "_reshuffle_each_iteration", True)))
+
+    def as_int(seed):
+        return None if seed is None else int(seed)  # (a scalar tensor; 0 and 0: unseeded)
+
+    seed, seed2 = as_int(getattr(dataset, "_seed", None)), as_int(getattr(dataset, "_seed2", None))
+    if not seed and not seed2:
+        seed = seed2 = None
+    return seed, seed2, bool(getattr(dataset, "_reshuffle_each_iteration", True))
 
 
 class KerasEpochIterator:
