@@ -308,7 +308,7 @@ def test_tiny_recommender_writes_and_shards_tfrecords(tmp_path):
 def test_tiny_resnet_cifar10_synthetic_stand_in():
     r = _run_tiny("resnet_cifar10")
     assert r.synthetic and "SYNTHETIC cifar10 stand-in" in r.data   # no cifar10 prepared here
-    assert r.global_batch_size == 256 and r.replica_batches == [64] * 4
+    assert r.global_batch_size == 64 and r.replica_batches == [16] * 4   # --tiny: at most 64
     assert r.throughput["steps"] == 2 and math.isfinite(r.eval_metrics["loss"])
     from tfdp.train import runner
     text = runner.summary(r)
@@ -323,8 +323,10 @@ def test_cli_tiny_run_summary_and_missed_target():
              timeout=140)
     out = p.stdout
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "replicas      4 (1 worker(s) x 4: CPU:0, CPU:1, CPU:2, CPU:3)" in out
-    assert "global 128, per replica 32" in out and "examples/s" in out
+    # --tiny: at most 2 CPU replicas and 64 examples per global batch (the config: 4 and 128)
+    assert "replicas      2 (1 worker(s) x 2: CPU:0, CPU:1)" in out
+    assert "CPU replicas from [strategy] cpu_replicas = 2  (--tiny: at most 2)" in out
+    assert "global 64, per replica 32" in out and "examples/s" in out
     assert "p50" in out and "p90" in out and "p99" in out
     assert "ESTIMATE" in out and "final metrics test: accuracy" in out
     assert "target        max_step_time_ms: p50 step time (ms)" in out and "MISSED" in out
@@ -332,6 +334,25 @@ def test_cli_tiny_run_summary_and_missed_target():
     assert len(missed) == 1 and "p50 step time" in missed[0] and "max_step_time_ms = 0.001" in \
         missed[0], p.stderr
     assert "Traceback" not in p.stderr
+    # quiet by default: none of TensorFlow's C++ INFO/WARNING lines, not even the load-time ones
+    for noise in ("oneDNN custom operations", "absl::InitializeLog", "I0000 ", "W0000 "):
+        assert noise not in p.stderr and noise not in p.stdout, p.stderr
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["--verbose", "TF_CPP_MIN_LOG_LEVEL=0"])
+def test_cli_loud_on_request(tmp_path, how):
+    env = _env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    args = [_write(tmp_path, GOOD), "--tiny", "--set", "monitor.allreduce_estimate=false"]
+    if how == "--verbose":
+        args.append("--verbose")
+    else:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    p = subprocess.run([*TRAIN, *args], cwd=ROOT, capture_output=True, text=True, timeout=140,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "oneDNN custom operations" in p.stderr, p.stderr   # TF's own INFO line, shown
 
 
 @pytest.mark.multiprocess
@@ -362,3 +383,224 @@ def test_tiny_quickstart_across_two_workers():
     assert "[worker 0]   replicas      4 (2 worker(s) x 2" in out
     assert "[worker 0]   stragglers    2 workers" in out and "Slowest: worker" in out
     assert "[worker 1] tfdp train: quickstart finished on worker 1" in out
+
+
+# --- learning-rate plan: no warm-up that changes nothing, none that fills the run ---------------
+
+def test_plan_drops_a_warmup_that_changes_nothing_and_caps_one_that_fills_the_run():
+    train = {"learning_rate": 0.1, "lr_scaling": "linear", "base_batch_size": 256,
+             "warmup_epochs": 1.0, "epochs": 1, "schedule": "cosine"}
+    same = lr_lib.plan(train, global_batch_size=256, steps_per_epoch=12)   # 0.1 -> 0.1
+    assert same["warmup_steps"] == 0 and "warm-up" not in same["text"]
+    assert same["base_lr"] == same["peak_lr"] == pytest.approx(0.1)
+    capped = lr_lib.plan(train, global_batch_size=1024, steps_per_epoch=12)
+    assert capped["warmup_steps"] == 6 and capped["total_steps"] == 12   # half the run
+    assert "capped at half the run" in capped["text"]
+    # after the capped warm-up the cosine decay runs: the last step is near 0, not the peak
+    last = lr_lib.learning_rate_at(11, base_lr=capped["base_lr"], peak_lr=capped["peak_lr"],
+                                   warmup_steps=6, total_steps=12, schedule="cosine")
+    assert last < 0.1 * capped["peak_lr"]
+    full = lr_lib.plan(dict(train, epochs=3), global_batch_size=1024, steps_per_epoch=12)
+    assert full["warmup_steps"] == 12 and "warm-up 1 epoch(s) = 12 steps from 0.1" in full["text"]
+
+
+# --- precedence: --set > TFDP_CPU_REPLICAS > the config ----------------------------------------
+
+def test_cpu_replicas_precedence(tmp_path):
+    from tfdp.train.runner import cpu_replicas_choice
+    path = _write(tmp_path, GOOD + "[strategy]\ncpu_replicas = 3\n")
+    plain = config_lib.load(path)
+    assert cpu_replicas_choice(plain, None) == (3, "[strategy] cpu_replicas = 3")
+    n, why = cpu_replicas_choice(plain, 2)
+    assert n == 2 and "TFDP_CPU_REPLICAS=2 (overrides the config's cpu_replicas = 3)" in why
+    given = config_lib.load(path, ["strategy.cpu_replicas=4"])
+    n, why = cpu_replicas_choice(given, 2)
+    assert n == 4 and "overrides TFDP_CPU_REPLICAS=2" in why and "arguments win" in why
+    tiny = config_lib.load(path, tiny=True)
+    assert tiny["strategy"]["cpu_replicas"] == 2          # --tiny: at most 2
+    assert config_lib.load(path, ["strategy.cpu_replicas=3"], tiny=True)[
+        "strategy"]["cpu_replicas"] == 3                  # unless given as an argument
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_cpu_replicas_variable_is_a_usage_error(tmp_path):
+    env = dict(_env(), TFDP_CPU_REPLICAS="four")
+    p = subprocess.run([*TRAIN, _write(tmp_path, GOOD)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "Invalid TFDP_CPU_REPLICAS" in lines[0] and "'four'" in lines[0]
+
+
+# --- your own model and data: [model] builder, [data] builder ------------------------------------
+
+BUILDERS = '''
+import keras
+import tensorflow as tf
+import numpy as np
+
+def model(units=8, classes=3):
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation="relu"),
+                          keras.layers.BatchNormalization(), keras.layers.Dense(classes)])
+    return m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"]
+
+def bare_model(units=8):
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+def not_a_model():
+    return "a string"
+
+def _arrays(n):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+def global_data(global_batch_size, n=256):
+    x, y = _arrays(n)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    return ds.batch(global_batch_size), ds.take(64).batch(global_batch_size)
+
+def context_data(input_context, global_batch_size, n=256):
+    x, y = _arrays(n)
+    per = input_context.get_per_replica_batch_size(global_batch_size)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(input_context.num_input_pipelines,
+                                                         input_context.input_pipeline_id)
+    return ds.batch(per), ds.take(64).batch(per)
+
+def bad_data(global_batch_size):
+    return [1, 2]
+
+def no_batch_arg(n=3):
+    return None
+'''
+
+
+def _builder_config(tmp_path, data="global_data", model="model", extra=""):
+    mod = tmp_path / "my_builders.py"
+    mod.write_text(BUILDERS)
+    return _write(tmp_path, f"""
+[strategy]
+cpu_replicas = 4
+[data]
+builder = "my_builders:{data}"
+global_batch_size = 32
+[model]
+builder = "my_builders:{model}"
+{extra}
+[train]
+epochs = 2
+learning_rate = 0.01
+""")
+
+
+def test_builder_configs_validate(tmp_path):
+    cfg = config_lib.load(_builder_config(tmp_path, extra="units = 16"))
+    assert cfg["model"]["builder"] == "my_builders:model"
+    assert cfg["model"]["kwargs"] == {"units": 16} and cfg["data"]["kwargs"] == {}
+    assert cfg["data"]["global_batch_size"] == 32
+    tiny = config_lib.load(_builder_config(tmp_path), tiny=True)
+    assert tiny["train"]["steps_per_epoch"] == 3
+    with pytest.raises(UsageError, match=r"both 'kind' and 'builder'"):
+        config_lib.load(_builder_config(tmp_path, extra='kind = "cnn"'))
+    with pytest.raises(UsageError, match=r"Invalid model.builder.*package.module:function"):
+        config_lib.load(_builder_config(tmp_path, model="model:"))
+    with pytest.raises(UsageError, match=r"Missing model.kind.*builder"):
+        config_lib.load(_write(tmp_path, "[data]\nsource = 'digits'\nglobal_batch_size = 8\n"
+                                         "[model]\nunits = 3\n"))
+
+
+@pytest.mark.parametrize("data,model,extra,exc,needles", [
+    ("global_data", "model", "", None, []),
+    ("global_data", "nope", "", UsageError, ["no function 'nope'", "Functions defined there",
+                                             "global_data", "model"]),
+    ("global_data", "model", "colour = 'red'", UsageError, ["does not take 'colour'",
+                                                            "model.colour='red'",
+                                                            "Its parameters: units, classes"]),
+    ("global_data", "not_a_model", "", ValueError, ["returned the wrong type", "str"]),
+    ("global_data", "bare_model", "", ValueError, ["without a loss", "[model] loss"]),
+    ("bad_data", "model", "", ValueError, ["data.builder", "returned the wrong type",
+                                           "list of (int, int)", "tf.data.Dataset"]),
+    ("no_batch_arg", "model", "", UsageError, ["neither input_context nor global_batch_size"]),
+])
+def test_builder_errors_are_one_clear_line(tmp_path, data, model, extra, exc, needles):
+    from tfdp.train import builders
+    from tfdp.train import data as data_lib
+    cfg = config_lib.load(_builder_config(tmp_path, data, model, extra))
+    if exc is None:
+        m, loss, metrics, _ = builders.build_model(cfg["model"], cfg.path)
+        assert m.name and loss is not None and metrics == ["accuracy"]
+        return
+    with pytest.raises(exc) as e:
+        builders.build_model(cfg["model"], cfg.path)
+        d = data_lib.build(cfg)
+        import tensorflow as tf
+        d.train(tf.distribute.get_strategy(), 32, 0)
+    msg = str(e.value)
+    assert "\n" not in msg and "Received:" in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_builder_missing_module_names_it(tmp_path):
+    from tfdp.train import builders
+    cfg = config_lib.load(_builder_config(tmp_path))
+    cfg["model"]["builder"] = "not_there_at_all:model"
+    with pytest.raises(UsageError, match=r"no module named 'not_there_at_all'.*next to the "
+                                         r"config"):
+        builders.build_model(cfg["model"], cfg.path)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("data", ["global_data", "context_data"])
+def test_builder_run_trains_on_cpu_replicas(tmp_path, data):
+    from tfdp.train import load, run
+    path = _builder_config(tmp_path, data=data, extra="units = 16")
+    r = run(load(path, ["strategy.cpu_replicas=4", "targets.min_accuracy=0.0"]))
+    assert r.replicas == 4 and r.steps_per_epoch == 8        # 256 / 32: the cardinality
+    assert r.throughput["steps"] == 15 and math.isfinite(r.eval_metrics["loss"])
+    assert 0 <= r.eval_metrics["accuracy"] <= 1 and not r.missed
+    assert "my_builders:" in r.data and "your datasets" in r.data
+
+
+@pytest.mark.timeout(180)
+def test_example_custom_model_config_tiny():
+    from tfdp.train import load, run
+    r = run(load(os.path.join(ROOT, "examples", "custom_model.toml"),
+                 ["strategy.cpu_replicas=4"], tiny=True))
+    assert r.replicas == 4 and r.throughput["steps"] == 2
+    assert "custom_model:build_data" in r.data and r.eval_metrics["accuracy"] >= 0
+
+
+# --- precise BatchNorm statistics --------------------------------------------------------------
+
+def test_precise_bn_sets_the_average_batch_statistics_on_every_replica():
+    import keras
+    import tensorflow as tf
+    from tfdp import DataParallelStrategy
+    from tfdp.train import precise_bn
+    strategy = DataParallelStrategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inner = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), inner,
+                                  keras.layers.BatchNormalization(momentum=0.9)])
+    bns = precise_bn.batchnorm_layers(model)
+    assert len(bns) == 2                                      # nested ones too
+    rng = np.random.default_rng(1)
+    batches = [rng.normal(2.0, 3.0, size=(16, 3)).astype("float32") for _ in range(5)]
+    h = [np.asarray(model.layers[0](b)) for b in batches]   # the first BN's inputs
+    assert precise_bn.recompute(model, batches, strategy) == 5
+    first = bns[0] if bns[0] in inner.layers else bns[1]
+    np.testing.assert_allclose(np.asarray(first.moving_mean),
+                               np.mean([x.mean(0) for x in h], 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(first.moving_variance),
+                               np.mean([x.var(0) for x in h], 0), rtol=1e-5, atol=1e-6)
+    for layer in bns:
+        assert layer.momentum in (0.99, 0.9)                  # restored
+        for v in (layer.moving_mean, layer.moving_variance):
+            copies = [np.asarray(c) for c in strategy.experimental_local_results(v.value)]
+            assert len(copies) == 4 and all(np.array_equal(c, copies[0]) for c in copies)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert precise_bn.recompute(plain, batches) == 0        # no BatchNorm: nothing done
+    del tf

@@ -8,6 +8,14 @@ has not started), else right after ``tensorflow`` itself is imported (a one-shot
 so ``import tfdp`` alone, e.g. the ``tfdp`` command line, never imports TensorFlow). A runtime
 that started before ``import tfdp`` cannot be split any more: the strategy then says so in one
 line (:func:`apply_cpu_replicas_env`).
+
+Precedence (the same everywhere in tfdp): arguments > environment > config defaults. An explicit
+``tfdp.configure_cpu_replicas(n)`` in the program wins over ``TFDP_CPU_REPLICAS``, which was
+already applied at import: the call re-splits the CPU (the runtime has not started) and logs one
+line saying that it overrides the variable; the strategy then keeps the call's count. When the
+runtime has already started with the variable's count, the call cannot win and raises one line
+saying so. ``tfdp train``: ``--set strategy.cpu_replicas=n`` > ``TFDP_CPU_REPLICAS`` > the config
+file's ``[strategy] cpu_replicas``.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import logging
 import os
 import sys
 
-from tfdp.errors import TfdpError, invalid_argument, message
+from tfdp.errors import TfdpError, UsageError, invalid_argument, message
 
 log = logging.getLogger("tfdp")
 
@@ -42,6 +50,8 @@ def configure_cpu_replicas(n: int) -> list[str]:
     names = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
+    _explicit["n"] = n
+    env_n = _env_count()
     if current is not None and len(current) == n:
         return names
     try:
@@ -51,13 +61,40 @@ def configure_cpu_replicas(n: int) -> list[str]:
         have = len(tf.config.list_logical_devices("CPU"))
         if have == n:
             return [d.name for d in tf.config.list_logical_devices("CPU")]
+        _explicit["n"] = None
+        if env_n is not None and env_n == have:
+            raise TfdpError(message(
+                f"configure_cpu_replicas({n}) came too late to override {CPU_REPLICAS_ENV}="
+                f"{env_n}: the variable was applied when tfdp was imported and the TensorFlow "
+                f"runtime has started since with {have} logical CPU device(s)",
+                f"n={n}, {CPU_REPLICAS_ENV}={env_n}",
+                f"Call tfdp.configure_cpu_replicas({n}) before any TensorFlow op, dataset or "
+                f"model is created (an explicit call wins over the variable), or set "
+                f"{CPU_REPLICAS_ENV}={n} (tfdp launch --cpu-replicas {n}), or unset it.")) from None
         raise TfdpError(
             f"configure_cpu_replicas({n}) came too late: the TensorFlow runtime is already "
             f"initialised. Received: n={n} with {have} logical CPU device(s) already in use. "
             "Call tfdp.configure_cpu_replicas() (or set TFDP_CPU_REPLICAS) at the very start of "
             "the program, before any TensorFlow op, device listing or model is created.") from None
-    log.info("tfdp: host CPU split into %d logical devices", n)
+    if env_n is not None and env_n != n:
+        log.warning("tfdp: configure_cpu_replicas(%d) overrides %s=%d: the host CPU is split "
+                    "into %d logical devices (an explicit call wins over the environment)",
+                    n, CPU_REPLICAS_ENV, env_n, n)
+    else:
+        log.info("tfdp: host CPU split into %d logical devices", n)
     return names
+
+
+# The count of the program's own configure_cpu_replicas() call (None: it made none); it wins
+# over TFDP_CPU_REPLICAS.
+_explicit: dict = {"n": None}
+
+
+def _env_count():
+    try:
+        return cpu_replicas_from_env()
+    except TfdpError:
+        return None
 
 
 def cpu_replicas_from_env(environ=None) -> int | None:
@@ -72,7 +109,7 @@ def cpu_replicas_from_env(environ=None) -> int | None:
         n = None
     if n is None or n < 1:
         raise invalid_argument(CPU_REPLICAS_ENV, raw, fix="Set it to a positive integer, "
-                               "e.g. TFDP_CPU_REPLICAS=4, or unset it.")
+                               "e.g. TFDP_CPU_REPLICAS=4, or unset it.", cls=UsageError)
     return n
 
 
@@ -187,6 +224,8 @@ def apply_cpu_replicas_env() -> int | None:
         return None
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
+    if _explicit["n"] is not None:   # the program's own configure_cpu_replicas() call wins
+        return _explicit["n"]
     if not _runtime_started():
         current = tf.config.get_logical_device_configuration(cpu)
         if current is None or len(current) != n:

@@ -1,7 +1,7 @@
 """``tfdp train CONFIG [--set SECTION.KEY=VALUE ...] [--tiny] [--baseline]``.
 
-Builds model, input pipeline and strategy from a TOML config, trains with Keras fit (progress
-bar), evaluates, prints a summary (replicas, global and per-replica batch, examples/s, step-time
+Builds model, input pipeline and strategy from a TOML config, trains with Keras fit (a progress
+bar on a terminal, one line per epoch otherwise), evaluates, prints a summary (replicas, global and per-replica batch, examples/s, step-time
 percentiles, an estimate of the all-reduce share, final metrics) and checks the config's
 [targets]. Runs unchanged on one CPU, on N local devices and under ``tfdp launch``.
 """
@@ -23,11 +23,19 @@ examples:
   tfdp train configs/bert_mlm.toml --tiny
   tfdp launch --workers 2 --cpu-replicas 2 -- tfdp train configs/bert_mlm.toml
 
-CPU replicas: [strategy] cpu_replicas, overridden by TFDP_CPU_REPLICAS (tfdp launch
---cpu-replicas sets it); with GPUs every local GPU is a replica.
+CPU replicas (precedence: arguments > environment > config): --set strategy.cpu_replicas=N,
+else TFDP_CPU_REPLICAS (tfdp launch --cpu-replicas sets it), else the config's [strategy]
+cpu_replicas; the header says which. With GPUs every local GPU is a replica.
 
-exit codes: 0 done and every target met; 1 error; 2 bad command line or config;
-3 a [targets] figure missed (the figure and the target are printed)."""
+Your own model and data: [model] builder = "module:function" and [data] builder =
+"module:function" (see examples/custom_model.toml and tfdp train --keys).
+
+TensorFlow's C++ INFO/WARNING lines are hidden unless TF_CPP_MIN_LOG_LEVEL is set or --verbose
+is given; errors and tfdp's own lines always show.
+
+exit codes: 0 done and every target met; 1 error; 2 bad command line, config or environment
+variable (e.g. TFDP_CPU_REPLICAS=abc); 3 a [targets] figure missed (the figure and the target
+are printed)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +56,9 @@ def build_parser():
     p.add_argument("--baseline", action="store_true",
                    help="also time 1 replica and print the scaling efficiency")
     p.add_argument("--keys", action="store_true", help="list every config key and exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="show TensorFlow's C++ INFO/WARNING log lines (hidden by default unless "
+                        "TF_CPP_MIN_LOG_LEVEL is set)")
     return p
 
 
@@ -64,7 +75,12 @@ def main(argv=None) -> int:
     if args.baseline:
         overrides.append("monitor.scaling_baseline=true")
     cfg = config_lib.load(args.config, overrides, tiny=args.tiny)   # no TensorFlow yet
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")   # TF's C++ INFO lines (unless set)
+    from tfdp.devices import cpu_replicas_from_env
+    cpu_replicas_from_env()     # a bad TFDP_CPU_REPLICAS: a usage error (exit 2), before TF
+    from tfdp.logs import quiet_tensorflow
+    quiet_tensorflow(os.environ, verbose=args.verbose)   # before TensorFlow is imported
+    from tfdp.train.quiet import import_tensorflow
+    import_tensorflow()      # its load-time lines too (printed before the level applies)
     from tfdp.train.runner import run, summary
     result = run(cfg)
     if result.rank == 0:

@@ -5,10 +5,13 @@ and listing the valid ones, so a typo never passes silently)::
 
     [job]       name, seed
     [strategy]  cpu_replicas, all_reduce, bucket_bytes, compression
-    [data]      source + the keys of that source (see SOURCES), global_batch_size, shuffle_seed
-    [model]     kind + the keys of that kind (see MODELS)
+    [data]      source + the keys of that source (see SOURCES), global_batch_size, shuffle_seed;
+                or builder = "module:function" + that function's keyword arguments
+    [model]     kind + the keys of that kind (see MODELS);
+                or builder = "module:function" + that function's keyword arguments (+ loss, metrics)
     [train]     epochs, steps_per_epoch, eval_steps, optimizer, learning_rate, momentum,
-                weight_decay, lr_scaling, base_batch_size, warmup_epochs, schedule
+                weight_decay, lr_scaling, base_batch_size, warmup_epochs, schedule,
+                precise_bn_batches
     [monitor]   log_dir, allreduce_estimate, scaling_baseline, baseline_steps, stragglers
     [targets]   min_accuracy, max_loss, min_auc, max_step_time_ms, min_examples_per_sec,
                 min_scaling_efficiency
@@ -101,6 +104,15 @@ def _int_list(lo=1):
     return check
 
 
+def _str_list():
+    def check(v):
+        if not isinstance(v, list) or any(not isinstance(x, str) or not x for x in v):
+            raise _Bad('an array of strings, e.g. ["accuracy"]')
+        return list(v)
+    check.kind = "list"
+    return check
+
+
 @dataclass(frozen=True)
 class Key:
     check: Callable
@@ -143,6 +155,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
                              "scaled rate over this many epochs"),
         "schedule": Key(_choice("constant", "cosine"), "constant",
                         help="after warm-up: keep the rate, or cosine-decay it to 0"),
+        "precise_bn_batches": Key(_int(0), 16, help="after training, recompute BatchNorm "
+                                  "moving statistics from this many training batches of the "
+                                  "per-replica size with the final weights (0: off; models "
+                                  "without BatchNorm: nothing done)"),
     },
     "monitor": {
         "log_dir": Key(_str(), None, help="TensorBoard directory (throughput scalars + metrics)"),
@@ -203,6 +219,26 @@ SOURCES: dict[str, dict[str, Key]] = {
 MODEL_COMMON = {
     "kind": Key(_choice("cnn", "resnet", "bert", "dlrm"), required=True),
 }
+
+# [data] builder / [model] builder: your own function, "package.module:function". The other keys
+# of the table are its keyword arguments (checked against its signature when it is imported, at
+# the start of the run); [data] keeps global_batch_size and shuffle_seed, [model] keeps loss and
+# metrics (used when the function returns a bare model).
+BUILDER_KEY = "builder"
+DATA_BUILDER_KEYS = {
+    "builder": Key(_str(), required=True, help='"module:function" (the config\'s folder and the '
+                   "working directory are importable): function(input_context=..., **keys) -> "
+                   "per-replica batched (train, eval) datasets, or function(global_batch_size="
+                   "..., **keys) -> globally batched (train, eval) datasets"),
+    "global_batch_size": DATA_COMMON["global_batch_size"],
+    "shuffle_seed": DATA_COMMON["shuffle_seed"],
+}
+MODEL_BUILDER_KEYS = {
+    "builder": Key(_str(), required=True, help='"module:function": function(**keys) -> a Keras '
+                   "model (compiled by tfdp train), or (model, loss), or (model, loss, metrics)"),
+    "loss": Key(_str(), None, help="a Keras loss name, when the function returns a bare model"),
+    "metrics": Key(_str_list(), None, help='Keras metric names, e.g. ["accuracy"]'),
+}
 MODELS: dict[str, dict[str, Key]] = {
     "cnn": {"filters": Key(_int(1), 32), "dense_units": Key(_int(1), 64)},
     "resnet": {"depth": Key(_int(8), 20, help="6n+2: 8, 14, 20, 32, 44, 56, 110"),
@@ -224,7 +260,13 @@ SECTION_ORDER = ("job", "strategy", "data", "model", "train", "monitor", "target
 
 # --tiny: a few steps of a tiny model on tiny data (tests, smoke runs)
 TINY = {
-    "train": {"epochs": 1, "steps_per_epoch": 3, "eval_steps": 2, "warmup_epochs": 0.0},
+    "train": {"epochs": 1, "steps_per_epoch": 3, "eval_steps": 2, "warmup_epochs": 0.0,
+              "precise_bn_batches": 2},
+    # at most this many CPU replicas (unless --set strategy.cpu_replicas or TFDP_CPU_REPLICAS
+    # says otherwise) and examples per global batch: tracing the step, once per replica,
+    # dominates a tiny run
+    "strategy": {"cpu_replicas": 2},
+    "max_global_batch_size": 64,
     "monitor": {"baseline_steps": 3},
     "data": {"cifar10": {"train_examples": 1024, "eval_examples": 512},
              "digits": {},
@@ -245,6 +287,8 @@ class Config:
     sections: dict
     tiny: bool = False
     cli_targets: tuple = ()     # target keys given with --set (still checked with --tiny)
+    cli_keys: tuple = ()        # every "section.key" given with --set (arguments win)
+    cpu_replicas_why: str | None = None   # set by the run: where the CPU replica count came from
 
     def __getitem__(self, section):
         return self.sections[section]
@@ -306,7 +350,8 @@ def _example(section, key, spec):
     return f"[{section}] {key} = 256" if key == "global_batch_size" else f"[{section}] {key} = ..."
 
 
-def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=()) -> Config:
+def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=(),
+             cli_keys=()) -> Config:
     """Check a parsed TOML document against the schema; fill in defaults."""
     if not isinstance(raw, dict):
         raise UsageError(message("A config must be a TOML table", repr(raw), "See configs/."))
@@ -321,13 +366,16 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=()) -
     for name in SECTION_ORDER:
         body = raw.get(name, {})
         out = {}
-        if name == "data":
+        if name in ("data", "model") and BUILDER_KEY in body:
+            _check_builder_section(name, body, path, out)
+        elif name == "data":
             src = body.get("source")
             if src is None:
                 raise UsageError(message(f"Missing data.source{_where(path)}",
                                          "[data] without 'source'",
-                                         'Add e.g. [data] source = "digits". Valid: '
-                                         + ", ".join(repr(s) for s in SOURCES) + "."))
+                                         'Add e.g. [data] source = "digits" (valid: '
+                                         + ", ".join(repr(s) for s in SOURCES) + ') or your '
+                                         'own [data] builder = "module:function".'))
             _check_section(name, {"source": src}, {"source": DATA_COMMON["source"]}, path, out)
             keys = {**DATA_COMMON, **SOURCES[out["source"]]}
             _check_section(name, body, keys, path, out)
@@ -336,8 +384,9 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=()) -
             if kind is None:
                 raise UsageError(message(f"Missing model.kind{_where(path)}",
                                          "[model] without 'kind'",
-                                         'Add e.g. [model] kind = "cnn". Valid: '
-                                         + ", ".join(repr(s) for s in MODELS) + "."))
+                                         'Add e.g. [model] kind = "cnn" (valid: '
+                                         + ", ".join(repr(s) for s in MODELS) + ') or your '
+                                         'own [model] builder = "module:function".'))
             _check_section(name, {"kind": kind}, MODEL_COMMON, path, out)
             _check_section(name, body, {**MODEL_COMMON, **MODELS[out["kind"]]}, path, out)
         else:
@@ -345,15 +394,15 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=()) -
         sections[name] = out
     if sections["job"]["name"] is None:
         sections["job"]["name"] = os.path.splitext(os.path.basename(path))[0] if path else "job"
-    kind, source = sections["model"]["kind"], sections["data"]["source"]
-    if source not in MODEL_SOURCES[kind]:
+    kind, source = sections["model"].get("kind"), sections["data"].get("source")
+    if kind is not None and source is not None and source not in MODEL_SOURCES[kind]:
         raise UsageError(message(f"model.kind {kind!r} cannot train on data.source {source!r}"
                                  f"{_where(path)}", f"model.kind={kind!r}, data.source={source!r}",
                                  f"Valid sources for {kind!r}: "
                                  + ", ".join(repr(s) for s in MODEL_SOURCES[kind]) + "."))
     for t, v in sections["targets"].items():
         metric = TARGET_METRIC.get(t)
-        if v is not None and metric and metric not in MODEL_METRICS[kind]:
+        if v is not None and metric and kind is not None and metric not in MODEL_METRICS[kind]:
             raise UsageError(message(f"targets.{t} needs the metric {metric!r}, which model.kind "
                                      f"{kind!r} does not report{_where(path)}", f"targets.{t}={v}",
                                      "Metrics of this model: "
@@ -362,7 +411,8 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=()) -
     if "min_scaling_efficiency" in sections["targets"] and not sections["monitor"][
             "scaling_baseline"] and not tiny:
         sections["monitor"]["scaling_baseline"] = True  # the target needs the baseline
-    cfg = Config(path=path, sections=sections, tiny=tiny, cli_targets=tuple(cli_targets))
+    cfg = Config(path=path, sections=sections, tiny=tiny, cli_targets=tuple(cli_targets),
+                 cli_keys=tuple(cli_keys))
     if tiny:
         _apply_tiny(cfg, raw)
     return cfg
@@ -375,8 +425,38 @@ def _apply_tiny(cfg: Config, raw: dict):
             v = min(v, s["train"]["steps_per_epoch"])
         s["train"][k] = v
     s["monitor"].update(TINY["monitor"])
-    s["data"].update(TINY["data"][s["data"]["source"]])
-    s["model"].update(TINY["model"][s["model"]["kind"]])
+    if "strategy.cpu_replicas" not in cfg.cli_keys:
+        s["strategy"]["cpu_replicas"] = min(s["strategy"]["cpu_replicas"],
+                                            TINY["strategy"]["cpu_replicas"])
+    if "data.global_batch_size" not in cfg.cli_keys:
+        s["data"]["global_batch_size"] = min(s["data"]["global_batch_size"],
+                                             TINY["max_global_batch_size"])
+    if "source" in s["data"]:
+        s["data"].update(TINY["data"][s["data"]["source"]])
+    if "kind" in s["model"]:
+        s["model"].update(TINY["model"][s["model"]["kind"]])
+
+
+def _check_builder_section(name, body, path, out):
+    """``[data]`` / ``[model]`` with ``builder``: tfdp's own keys are checked here; every other
+    key is a keyword argument of the function (checked against its signature at run time)."""
+    keys = DATA_BUILDER_KEYS if name == "data" else MODEL_BUILDER_KEYS
+    other = "source" if name == "data" else "kind"
+    if other in body:
+        raise UsageError(message(f"[{name}] has both {other!r} and 'builder'{_where(path)}",
+                                 f"{name}.{other}={body[other]!r}, {name}.builder="
+                                 f"{body['builder']!r}", f"Keep one: a built-in {other} or your "
+                                 "own builder."))
+    own = {k: v for k, v in body.items() if k in keys}
+    _check_section(name, own, keys, path, out)
+    text = out["builder"]
+    mod, _, fn = text.partition(":")
+    if not mod or not fn or not all(p.isidentifier() for p in mod.split(".") + [fn]):
+        raise UsageError(message(f"Invalid {name}.builder{_where(path)}",
+                                 f"{name}.builder={text!r}", 'Use "package.module:function", '
+                                 'e.g. builder = "my_models:build" (a my_models.py next to the '
+                                 "config or in the working directory)."))
+    out["kwargs"] = {k: copy.deepcopy(v) for k, v in body.items() if k not in keys}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -414,7 +494,7 @@ def load(path: str, overrides=(), *, tiny: bool = False) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(message("Cannot read the config", f"{path!r} ({e})",
                                  "Pass a readable UTF-8 TOML file.")) from None
-    cli_targets = []
+    cli_targets, cli_keys = [], []
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTION_ORDER:
@@ -424,9 +504,10 @@ def load(path: str, overrides=(), *, tiny: bool = False) -> Config:
             raise UsageError(message(f"Invalid [{section}] in {path}", repr(table),
                                      "Expected a table."))
         table[key] = value
+        cli_keys.append(f"{section}.{key}")
         if section == "targets":
             cli_targets.append(key)
-    return validate(raw, path, tiny=tiny, cli_targets=cli_targets)
+    return validate(raw, path, tiny=tiny, cli_targets=cli_targets, cli_keys=cli_keys)
 
 
 def describe_schema() -> str:
@@ -447,10 +528,14 @@ def describe_schema() -> str:
             add("[data]", DATA_COMMON)
             for src, keys in SOURCES.items():
                 add(f"[data] source = {src!r}", keys)
+            add("[data] builder = \"module:function\" (+ the function's keyword arguments)",
+                DATA_BUILDER_KEYS)
         elif name == "model":
             add("[model]", MODEL_COMMON)
             for kind, keys in MODELS.items():
                 add(f"[model] kind = {kind!r}", keys)
+            add("[model] builder = \"module:function\" (+ the function's keyword arguments)",
+                MODEL_BUILDER_KEYS)
         else:
             add(f"[{name}]", SECTIONS[name])
     return "\n".join(lines)

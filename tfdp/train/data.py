@@ -52,6 +52,9 @@ class Data:
 
 def build(cfg) -> Data:
     d = cfg["data"]
+    if "builder" in d:     # your own function (tfdp.train.builders)
+        from tfdp.train import builders
+        return builders.build_data(cfg)
     return _SOURCES[d["source"]](d, cfg["job"]["seed"])
 
 

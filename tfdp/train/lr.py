@@ -6,6 +6,8 @@ Linear scaling rule: when the global batch grows k-fold, multiply the learning r
 
 Gradual warm-up: start at ``learning_rate`` and rise linearly to the scaled rate over
 ``warmup_steps``, then keep it (``"constant"``) or cosine-decay it to 0 at ``total_steps``.
+:func:`plan` drops a warm-up that changes nothing (scaled rate == base rate) and caps one that
+would take more than half of the run's steps (the schedule after it needs steps too).
 :func:`learning_rate_at` is the plain-Python formula; ``tfdp.train.schedule.WarmupSchedule`` is
 the same as a Keras schedule.
 """
@@ -49,10 +51,22 @@ def plan(train_cfg: dict, global_batch_size: int, steps_per_epoch: int) -> dict:
     else:
         peak = base
         text = f"{base:g} (no scaling)"
-    warmup = int(round(train_cfg["warmup_epochs"] * steps_per_epoch))
     total = train_cfg["epochs"] * steps_per_epoch
+    asked = int(round(train_cfg["warmup_epochs"] * steps_per_epoch))
+    # A warm-up from the base rate to the same rate changes nothing: none (and not printed).
+    # One that would fill the whole run (e.g. warmup_epochs = 1 with epochs = 1) would leave no
+    # step for the schedule after it: a cosine run would end at the peak rate instead of 0. It is
+    # capped at half the run, and the line says so.
+    warmup = asked if peak != base else 0
+    cap = total // 2
+    if warmup > cap:
+        warmup = cap
     if warmup:
-        text += f", warm-up {train_cfg['warmup_epochs']:g} epoch(s) = {warmup} steps from {base:g}"
+        text += (f", warm-up {train_cfg['warmup_epochs']:g} epoch(s) = {asked} steps from "
+                 f"{base:g}" if warmup == asked else
+                 f", warm-up {warmup} steps from {base:g} (warmup_epochs = "
+                 f"{train_cfg['warmup_epochs']:g} is {asked} of the run's {total} steps: capped "
+                 "at half the run)")
     if train_cfg["schedule"] == "cosine":
         text += f", cosine decay to 0 at step {total}"
     return {"base_lr": base if warmup else peak, "peak_lr": peak, "warmup_steps": warmup,

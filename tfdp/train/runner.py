@@ -66,14 +66,36 @@ def _have_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def cpu_replicas_choice(cfg: Config, env_n: int | None) -> tuple[int, str]:
+    """How many CPU replicas, and why: ``--set strategy.cpu_replicas`` (an argument) >
+    ``TFDP_CPU_REPLICAS`` (the environment; ``tfdp launch --cpu-replicas`` sets it) > the
+    config's ``[strategy] cpu_replicas`` (with ``--tiny``: at most 2)."""
+    n = cfg["strategy"]["cpu_replicas"]
+    if "strategy.cpu_replicas" in cfg.cli_keys:
+        if env_n is not None and env_n != n:
+            return n, (f"--set strategy.cpu_replicas={n} (overrides TFDP_CPU_REPLICAS={env_n}: "
+                       "arguments win over the environment)")
+        return n, f"--set strategy.cpu_replicas={n}"
+    if env_n is not None:
+        if env_n != n:
+            return env_n, (f"TFDP_CPU_REPLICAS={env_n} (overrides the config's "
+                           f"cpu_replicas = {n})")
+        return env_n, f"TFDP_CPU_REPLICAS={env_n}"
+    return n, f"[strategy] cpu_replicas = {n}" + ("  (--tiny: at most 2)" if cfg.tiny else "")
+
+
 def _make_strategy(cfg: Config):
     import tensorflow as tf
 
     import tfdp
     from tfdp.devices import cpu_replicas_from_env
     s = cfg["strategy"]
+    cfg.cpu_replicas_why = None
     if not tf.config.list_physical_devices("GPU"):
-        tfdp.configure_cpu_replicas(cpu_replicas_from_env() or s["cpu_replicas"])
+        env_n = cpu_replicas_from_env()
+        n, cfg.cpu_replicas_why = cpu_replicas_choice(cfg, env_n)
+        if n != env_n:
+            tfdp.configure_cpu_replicas(n)   # quiet: the run's header line says why
     comp = None if s["compression"] == "none" else s["compression"]
     return tfdp.DataParallelStrategy(all_reduce=s["all_reduce"], bucket_bytes=s["bucket_bytes"],
                                      compression=comp)
@@ -112,20 +134,37 @@ def run(cfg: Config) -> Result:
     tr, mon = cfg["train"], cfg["monitor"]
     seed = cfg["job"]["seed"]
 
+    if B < replicas and cfg.tiny and "data.global_batch_size" not in cfg.cli_keys:
+        B = cfg["data"]["global_batch_size"] = replicas   # --tiny's small batch, many replicas
     if B < replicas:
         from tfdp.errors import UsageError, message
         raise UsageError(message("data.global_batch_size is smaller than the number of replicas",
                                  f"data.global_batch_size={B} for {replicas} replicas",
                                  f"Use at least {replicas} (one example per replica)."))
     data = data_lib.build(cfg)
-    full_pass = steps_per_epoch(data.num_train, B)
-    steps = tr["steps_per_epoch"] or full_pass
-    eval_steps = min(tr["eval_steps"] or math.inf, steps_per_epoch(data.num_eval, B))
+    if data.num_train is None:    # [data] builder: steps from the datasets' cardinality
+        full_pass = data.steps(strategy, B)
+        if full_pass is None and not tr["steps_per_epoch"]:
+            from tfdp.errors import UsageError, message
+            raise UsageError(message(
+                "[train] steps_per_epoch is needed: the data.builder's training set has no "
+                "known length", f"data.builder={cfg['data']['builder']!r}",
+                "Set [train] steps_per_epoch = N (or return a finite dataset)."))
+        steps = tr["steps_per_epoch"] or full_pass
+        eval_steps = tr["eval_steps"]
+    else:
+        full_pass = steps_per_epoch(data.num_train, B)
+        steps = tr["steps_per_epoch"] or full_pass
+        eval_steps = min(tr["eval_steps"] or math.inf, steps_per_epoch(data.num_eval, B))
     plan = lr_lib.plan(tr, B, steps)
 
     def build_model():   # under strategy.scope(): distributed; outside: one local device
         keras.utils.set_random_seed(seed)
-        model, loss, metrics, weighted = models.build(cfg["model"], data.info)
+        if "builder" in cfg["model"]:
+            from tfdp.train import builders
+            model, loss, metrics, weighted = builders.build_model(cfg["model"], cfg.path)
+        else:
+            model, loss, metrics, weighted = models.build(cfg["model"], data.info)
         if plan["warmup_steps"] or plan["schedule"] != "constant":
             lr = WarmupSchedule(plan["base_lr"], plan["peak_lr"], plan["warmup_steps"],
                                 plan["total_steps"], plan["schedule"])
@@ -139,10 +178,11 @@ def run(cfg: Config) -> Result:
     params = model.count_params()
     sizes = replica_batch_sizes(B, replicas)
     per = str(sizes[0]) if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
+    why = f"; CPU replicas from {cfg.cpu_replicas_why}" if cfg.cpu_replicas_why else ""
     _say(f"tfdp train: {cfg.name} ({cfg.path}){'  [--tiny]' if cfg.tiny else ''}\n"
          f"  strategy  {strategy!r}\n"
          f"            {replicas} replicas = {workers} worker(s) x {len(devices)} "
-         f"{'GPU' if 'GPU' in devices[0] else 'CPU replica'}(s)\n"
+         f"{'GPU' if 'GPU' in devices[0] else 'CPU replica'}(s){why}\n"
          f"  data      {data.description}\n"
          f"  batch     global {B} = {per} per replica; {steps} steps/epoch x {tr['epochs']} "
          f"epoch(s)\n"
@@ -170,6 +210,18 @@ def run(cfg: Config) -> Result:
                         shuffle=False,  # tfdp.data shuffles (seed, epoch)
                         callbacks=callbacks)
     phases["fit"] = time.perf_counter() - t
+    n_bn = tr["precise_bn_batches"]
+    if n_bn:
+        from tfdp.train import precise_bn
+        layers = precise_bn.batchnorm_layers(model)
+        if layers:
+            t = time.perf_counter()
+            per_replica = max(1, B // replicas)
+            used = precise_bn.recompute(model, data.local(per_replica).take(n_bn), strategy)
+            phases["precise BN"] = time.perf_counter() - t
+            _say(f"  precise BN  moving statistics of {len(layers)} BatchNormalization layer(s) "
+                 f"recomputed from {used} training batches of {per_replica} with the final "
+                 "weights ([train] precise_bn_batches; 0: off)", rank)
     t = time.perf_counter()
     train_metrics = {k: float(v[-1]) for k, v in history.history.items()}
     eval_metrics = model.evaluate(data.eval(strategy, B), steps=eval_steps, verbose=0,
