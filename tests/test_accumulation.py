@@ -4,14 +4,14 @@ k micro-steps of global batch B under N replicas must equal one step of batch k*
 with one all-reduce per k micro-steps (counted at run time), not one per micro-step.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
+from helpers import TOL, assert_replicas_identical, build, make_data, max_diff
 
 import tfdp
 from tfdp import compat as tfp
-from helpers import TOL, assert_replicas_identical, build, make_data, max_diff
 
 B = 16  # global micro-batch: 4 per replica
 
@@ -119,7 +119,7 @@ def test_accumulation_with_fp16_compression_converges_close():
 
 def test_uneven_micro_batches_equal_one_device_accumulation():
     # Last micro-batch: 2 examples over 4 replicas (two replicas empty). Each replica's loss
-    # carries its share of the micro-batch (tfdp.gradient_path), so every micro-step's gradient
+    # carries its share of the micro-batch (tfdp.keras.gradient_path), so every micro-step's gradient
     # is that micro-batch's mean, exactly as one device accumulating the same micro-batches.
     # (Before the gradient path this was refused with an error naming drop_remainder=True.)
     x, y = make_data(n=B * 2 + 2)
@@ -194,6 +194,7 @@ emit_result(rank=strategy.cluster.rank, diff=max_diff(model.get_weights(), ref.g
 @pytest.mark.multiprocess
 def test_accumulation_two_workers_equals_big_batch():
     import os
+
     from tfdp.testing import parse_results, run_workers
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=240,
                           env={"TFDP_TEST_DIR": os.path.dirname(os.path.abspath(__file__))})

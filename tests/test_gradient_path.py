@@ -1,4 +1,4 @@
-"""tfdp's gradient path (tfdp.gradient_path): the Keras internals it hooks, and its contract.
+"""tfdp's gradient path (tfdp.keras.gradient_path): the Keras internals it hooks, and its contract.
 
 The user-pattern matrix (test_user_patterns.py) checks the patterns users write; this module
 checks the mechanism: the private names still exist, the hooks change nothing outside a tfdp
@@ -8,15 +8,15 @@ step, ``strategy.reduce`` keeps its public meaning, custom loops get the same ex
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
+from helpers import TOL, max_diff
 
 import tfdp
 from tfdp import compat as tfp
-from tfdp import gradient_path
-from helpers import TOL, max_diff
+from tfdp.keras import gradient_path
 
 DEVS = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 

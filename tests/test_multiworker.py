@@ -240,7 +240,7 @@ def test_single_worker_cluster_is_rejected():
     from tfdp.errors import TfdpError
     from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
     with pytest.raises(TfdpError, match="2 or more workers"):
-        MultiWorkerDataParallelStrategy(ClusterInfo())
+        MultiWorkerDataParallelStrategy(cluster=ClusterInfo())
 
 
 COMPRESSION_SCRIPT = """

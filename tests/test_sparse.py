@@ -12,7 +12,8 @@ import tensorflow as tf
 
 import tfdp
 from tfdp.reduce import sparse
-from tfdp.reduce.local import DataParallelReduce, tree_sum
+from tfdp.reduce.algorithms import tree_sum
+from tfdp.reduce.local import DataParallelReduce
 from tfdp.testing import parse_results, run_workers
 
 DEVS4 = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]

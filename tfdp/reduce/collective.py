@@ -1,6 +1,6 @@
 """All-reduce from inside a replica, without ``merge_call``: one collective per replica and bucket.
 
-tfdp's normal reduction (``local.DataParallelReduce``, ``multiworker.MultiWorkerReduce``) sees
+tfdp's normal reduction (``local.DataParallelReduce``, ``hierarchical.MultiWorkerReduce``) sees
 every replica's gradients at once through ``merge_call`` and sums them with a tree of adds. That
 is impossible where ``merge_call`` is refused: inside a ``tf.cond`` branch. Keras 3's own
 ``gradient_accumulation_steps=k`` puts the optimizer's all-reduce exactly there (the update branch
@@ -15,33 +15,43 @@ the process and across workers). No replica waits for another in Python, so the 
 sit in any control flow that every replica takes alike: in Keras's accumulation ``tf.cond`` they
 run on update steps only, one reduction per k micro-steps.
 
-Instance keys come from ``tfdp.reduce.keys.InstanceKeys``: one run-time counter per replica
-device, so replica r's j-th executed collective has the same key as every other replica's j-th
-(and every worker's), fresh on every execution, also inside loops and branches.
+Its buckets go through the one bucket pipeline (``tfdp.reduce.pipeline``) with this replica's
+buffer as the only one; the stage is ``reduce_v2``, also used across workers by
+``tfdp.reduce.hierarchical``. Keys come from ``tfdp.reduce.keys``: instance keys from one run-time
+counter per replica device, so replica r's j-th executed collective has the same key as every
+other replica's j-th (and every worker's), fresh on every execution, also inside loops and
+branches.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import tensorflow as tf
 
 from tfdp import devices as devices_lib
-from tfdp.reduce import compression as codec
-from tfdp.reduce import keys, packing
+from tfdp.reduce import keys, packing, pipeline
 
 SUM = tf.distribute.ReduceOp.SUM
 MEAN = tf.distribute.ReduceOp.MEAN
+_tick_lock = threading.Lock()
 
-# Group keys of replica-context groups: far above TF's own (small, from 1) and above the
-# cross-worker groups of multiworker.py (1 << 24 + local index). One per ReplicaAllReduce, drawn in
-# construction order, which is the same on every worker (same program).
-_GROUP_KEY_BASE = 1 << 26
-_group_keys = itertools.count(0)
-_lock = threading.Lock()
+# dtypes CollectiveReduceV2 accepts (others are cast for the trip).
+REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
 
-_REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
+
+def reduce_v2(t, *, group_size, group_key, instance_key, ordering_token, hint, timeout_seconds,
+              max_subdivs_per_device=-1):
+    """One ``CollectiveReduceV2`` sum of ``t`` (on the current device) over the group; dtypes
+    the op does not take (bool, int8, ...) travel as int64 / float32 and come back."""
+    wire = t
+    if t.dtype not in REDUCE_DTYPES:
+        wire = tf.cast(t, tf.int64 if t.dtype.is_integer or t.dtype == tf.bool else tf.float32)
+    out = tf.raw_ops.CollectiveReduceV2(
+        input=wire, group_size=group_size, group_key=group_key, instance_key=instance_key,
+        ordering_token=ordering_token, merge_op="Add", final_op="Id", communication_hint=hint,
+        timeout_seconds=timeout_seconds, max_subdivs_per_device=max_subdivs_per_device)
+    return out if wire is t else tf.cast(out, t.dtype)
 
 
 class ReplicaAllReduce:
@@ -65,8 +75,7 @@ class ReplicaAllReduce:
         self.timeout_seconds = float(timeout_seconds)
         self.gpu = all(devices_lib.is_gpu(d) for d in self.devices)
         self.hint = "nccl" if self.gpu else "ring"
-        with _lock:
-            self.group_key = _GROUP_KEY_BASE + next(_group_keys)
+        self.group_key = keys.new_replica_group_key()
         # One ordering token (a resource) per device, as TF's CollectiveReplicaLauncher: the
         # collectives of a device then run in program order (NCCL needs the same order on every
         # device), and CPU collectives among the devices of one process need it to run at all
@@ -92,7 +101,7 @@ class ReplicaAllReduce:
     # --- keys --------------------------------------------------------------------------------
 
     def _tick(self):
-        with _lock:
+        with _tick_lock:  # (py_functions of several replicas run in TF's threads)
             self.executed += 1
         return tf.constant(0, tf.int32)
 
@@ -113,57 +122,32 @@ class ReplicaAllReduce:
             raise RuntimeError("ReplicaAllReduce runs inside tf.function only (replica functions "
                                "run one after another in eager mode, so collectives would wait "
                                "for each other forever).")
-        if isinstance(reduce_op, str):
-            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+        reduce_op = pipeline.as_reduce_op(reduce_op)
         self.traced += 1
         device = self.devices[replica_id]
-        n = self.group_size
         with tf.device(device):
             values = [tf.convert_to_tensor(v) for v in values]
-            specs = [(v.dtype, v.shape.num_elements(), v.dtype.size) for v in values]
-            if any(s[1] is None for s in specs):
+            if any(v.shape.num_elements() is None for v in values):
                 raise ValueError("tfdp replica-context all-reduce needs static shapes; received "
                                  f"shapes {[v.shape for v in values]}.")
-            results = [None] * len(values)
-            for bucket in packing.plan(specs, self.bucket_bytes):
-                parts = [values[i] for i in bucket.indices]
-                buf = packing.pack(parts) if bucket.fused else parts[0]
-                dtype = buf.dtype
-                floating = dtype.is_floating
-                compress = self.compression if floating else None
-                pre_mean = reduce_op == MEAN and compress is not None
-                factor = None
-                if weight is not None and floating:
-                    factor = tf.cast(weight, dtype)
-                if pre_mean:
-                    factor = (1.0 / n) if factor is None else factor / n
-                if factor is not None:
-                    buf = tf.math.multiply_no_nan(buf, tf.cast(factor, dtype))
-                wire = codec.encode(buf, compress)
-                if wire.dtype not in _REDUCE_DTYPES:
-                    wire = tf.cast(wire, tf.int64 if wire.dtype.is_integer or wire.dtype == tf.bool
-                                   else tf.float32)
-                out = tf.raw_ops.CollectiveReduceV2(
-                    input=wire, group_size=n, group_key=self.group_key,
-                    instance_key=self._keys.next(replica_id),
-                    ordering_token=[self._tokens[replica_id].handle],
-                    merge_op="Add", final_op="Id", communication_hint=self.hint,
-                    timeout_seconds=self.timeout_seconds)
-                if self.count_executions:
-                    with tf.control_dependencies([out]):
-                        tick = tf.py_function(self._tick, [], tf.int32)
-                    with tf.control_dependencies([tick]):
-                        out = tf.identity(out)
-                out = codec.decode(out, dtype)
-                if reduce_op == MEAN and not pre_mean:
-                    out = out / n if floating else tf.cast(
-                        tf.cast(out, tf.float64) / n, dtype)
-                split = (packing.unpack(out, bucket.sizes, [values[i].shape
-                                                             for i in bucket.indices])
-                         if bucket.fused else [out])
-                for i, t in zip(bucket.indices, split):
-                    results[i] = t
-        return results
+        reduced, _ = pipeline.all_reduce_dense(
+            [[v] for v in values], [device], reduce_op,
+            lambda bufs, devs, finish: [finish(self._collective(bufs[0], replica_id), 0)],
+            group_size=self.group_size, bucket_bytes=self.bucket_bytes,
+            compression=self.compression, weights=None if weight is None else [weight])
+        return [r[0] for r in reduced]
+
+    def _collective(self, buf, replica_id):
+        out = reduce_v2(buf, group_size=self.group_size, group_key=self.group_key,
+                        instance_key=self._keys.next(replica_id),
+                        ordering_token=[self._tokens[replica_id].handle], hint=self.hint,
+                        timeout_seconds=self.timeout_seconds)
+        if self.count_executions:
+            with tf.control_dependencies([out]):
+                tick = tf.py_function(self._tick, [], tf.int32)
+            with tf.control_dependencies([tick]):
+                out = tf.identity(out)
+        return out
 
 
 __all__ = ["ReplicaAllReduce"]

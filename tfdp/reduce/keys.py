@@ -1,4 +1,12 @@
-"""Collective instance keys, drawn at run time from one counter per replica device.
+"""Collective keys: the one allocator of every group key and instance key tfdp uses.
+
+Group keys. TF's own ``CollectiveKeys`` (initial-value broadcast, TF's CollectiveAllReduce used
+for gather) hand out small group keys from 1; tfdp's groups live far above: the cross-worker
+groups of ``tfdp.reduce.hierarchical`` at ``CROSS_WORKER_GROUP_BASE + local device index``, the
+replica-context groups of ``tfdp.reduce.collective`` at ``REPLICA_GROUP_BASE + n`` (one per
+reducer, drawn in construction order, which is the same on every worker: same program).
+
+Instance keys are drawn at run time from one counter per replica device:
 
 Every collective tfdp launches (``CollectiveReduceV2`` / ``CollectiveGatherV2``) names its
 instance by a key that every member of the group must agree on. TF caches an instance's shape
@@ -22,7 +30,26 @@ branches and loops alike, eagerly or in a function.
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import tensorflow as tf
+
+CROSS_WORKER_GROUP_BASE = 1 << 24
+REPLICA_GROUP_BASE = 1 << 26
+_replica_groups = itertools.count(0)
+_lock = threading.Lock()
+
+
+def cross_worker_group_key(index: int) -> int:
+    """The group of local device ``index`` of every worker (one member per worker)."""
+    return CROSS_WORKER_GROUP_BASE + index
+
+
+def new_replica_group_key() -> int:
+    """A fresh group of every replica of the job (one per replica-context reducer)."""
+    with _lock:
+        return REPLICA_GROUP_BASE + next(_replica_groups)
 
 
 def _host(device: str) -> str:
@@ -57,4 +84,5 @@ class InstanceKeys:
             return tf.cast(counter.assign_add(1), tf.int32)
 
 
-__all__ = ["InstanceKeys"]
+__all__ = ["CROSS_WORKER_GROUP_BASE", "InstanceKeys", "REPLICA_GROUP_BASE",
+           "cross_worker_group_key", "new_replica_group_key"]

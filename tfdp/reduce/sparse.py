@@ -151,12 +151,8 @@ def _weighted(comps, weights):
 
 
 def _scale(t, factor):
-    tf = _tf()
-    if factor is None:
-        return t
-    if t.dtype.is_integer:
-        return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
-    return t * tf.cast(factor, t.dtype)
+    from tfdp.reduce.pipeline import scale  # (imports TensorFlow)
+    return scale(t, factor)
 
 
 def concat_local(comps, weights=None):

@@ -11,7 +11,7 @@ Used exactly like ``tf.distribute.MirroredStrategy``::
 On top of MirroredStrategy's variable mirroring and input pipeline it changes four things:
 
 1. Reduction is tfdp's own (``tfdp.reduce``): fused buckets, NCCL/ring/tree, compression.
-2. The step is the global-batch step, for the Keras code users write (``tfdp.gradient_path``):
+2. The step is the global-batch step, for the Keras code users write (``tfdp.keras.gradient_path``):
    each replica's Keras loss carries its share of the global batch (``n_r / sum(n)``, not 1/N),
    so every gradient all-reduce is a plain sum and uneven or empty replica batches are exact;
    each optimizer reduces its gradients when ``apply`` starts, so clipping, loss-scale checks and
@@ -28,19 +28,19 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes fo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-import weakref
 
 import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
-from tfdp import gradient_path
 from tfdp.errors import invalid_argument
-from tfdp.reduce import registry
+from tfdp.keras import gradient_path
 from tfdp.reduce.local import DataParallelReduce
+from tfdp.strategy.extended import DataParallelExtendedBase
+from tfdp.strategy.role import worker_role
+from tfdp.strategy.settings import Settings
 
 log = logging.getLogger("tfdp")
 _logged_choices: set = set()
@@ -49,6 +49,11 @@ _log_lock = threading.Lock()
 
 class DataParallelStrategy(tf.distribute.MirroredStrategy):
     """Synchronous data parallelism over local devices with tfdp's all-reduce.
+
+    With a cluster of several workers (``TF_CONFIG``, SLURM, ``cluster_resolver`` or
+    ``cluster``) the same call returns a ``tfdp.strategy.MultiWorkerDataParallelStrategy``
+    (which is also a ``DataParallelStrategy``, and a ``tf.distribute.MultiWorkerMirroredStrategy``
+    as Keras needs for cross-worker outputs), so a script runs unchanged on one or many workers.
 
     Args:
       devices: device names (``["GPU:0", "GPU:1"]``, ``["CPU:0", "CPU:1"]``); None means all
@@ -63,63 +68,102 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         reduced (``tfdp.reduce.sparse``); None reads ``TFDP_SPARSE``, default "auto" (the
         measured rule; it densifies only for optimizers linear in the gradient, plain/momentum
         SGD without clipping).
+      collective_timeout, heartbeat_timeout: failure detection across workers (see
+        ``MultiWorkerDataParallelStrategy``); validated, and unused, in a single process.
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
         cluster (TF_CONFIG / SLURM are read when it is None).
+      cluster: a ``tfdp.cluster.ClusterInfo`` instead of a resolver.
     """
 
-    def __new__(cls, devices=None, *, cluster_resolver=None, **kwargs):
-        # Same script, no code change: a cluster of several workers (TF_CONFIG, SLURM or an
-        # explicit resolver) gives the multi-worker strategy. Python then skips __init__ below.
+    def __new__(cls, devices=None, *, cluster_resolver=None, cluster=None, **kwargs):
+        # Same script, no code change: a cluster of several workers gives the multi-worker
+        # strategy. Python then runs *its* __init__ with these same arguments.
+        del devices, kwargs
         if cls is DataParallelStrategy:
-            info = _resolve_cluster(cluster_resolver)
-            if info is not None and info.num_workers > 1:
+            info = cluster if cluster is not None else _resolve_cluster(cluster_resolver)
+            if getattr(info, "num_workers", 1) > 1:
                 from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
-                return MultiWorkerDataParallelStrategy(info, devices, **kwargs)
+                return super().__new__(MultiWorkerDataParallelStrategy)
         return super().__new__(cls)
 
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
                  compression: str | None = None, sparse: str | None = None,
-                 cluster_resolver=None):
-        from tfdp.reduce import sparse as sparse_lib
-        sparse = sparse_lib.resolve_mode(sparse)
-        algorithm = registry.validate_algorithm(all_reduce)
-        compression = registry.validate_compression(compression)
-        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
-        self._cluster = _resolve_cluster(cluster_resolver)
-        devs = devices_lib.resolve_devices(devices)
-        choice = registry.choose(
-            algorithm, devs, physical_gpus=len(tf.config.list_physical_devices("GPU")),
-            nccl_kernel=tfp.nccl_kernel_registered())
-        self._requested_all_reduce = algorithm
-        self._choice = choice
-        self._reduce = DataParallelReduce(choice.algorithm, bucket_bytes, compression, sparse)
-        _log_choice_once(algorithm, choice, devs, self._reduce)
-        extended = _DataParallelExtended(self, devices=devs, cross_device_ops=self._reduce)
-        tf.distribute.Strategy.__init__(self, extended)  # MirroredStrategy.__init__ minus its extended
+                 collective_timeout: float | None = None,
+                 heartbeat_timeout: float | None = None, cluster_resolver=None, cluster=None):
+        settings = Settings.from_arguments(
+            all_reduce=all_reduce, bucket_bytes=bucket_bytes, compression=compression,
+            sparse=sparse, collective_timeout=collective_timeout,
+            heartbeat_timeout=heartbeat_timeout)
+        self._cluster = self._resolve(cluster_resolver, cluster, devices, settings)
+        extended = self._extended_class(self, settings, devices, self._cluster)
+        # (MirroredStrategy.__init__ / MultiWorkerMirroredStrategy.__init__ minus their extended)
+        tf.distribute.Strategy.__init__(self, extended)
+        self._started(devices)
+
+    # --- what the multi-worker strategy overrides --------------------------------------------
+
+    def _resolve(self, cluster_resolver, cluster, devices, settings):
+        """The job's ``ClusterInfo`` (a single worker here), checked before anything starts."""
+        del devices, settings
+        return cluster if cluster is not None else _resolve_cluster(cluster_resolver)
+
+    @property
+    def _extended_class(self):
+        return LocalExtended
+
+    def _started(self, devices):
+        """After the extended exists: log the choice (once per configuration)."""
+        del devices
+        _log_choice_once(self.extended.tfdp_settings.all_reduce, self.extended.tfdp_choice,
+                         self.extended.worker_devices, self.extended.tfdp_reduce)
 
     # --- tfdp's additions ---------------------------------------------------------------------
 
     @property
     def all_reduce(self) -> str:
         """The algorithm in use ("fused", "ring", "one_device" or "nccl")."""
-        return self._choice.algorithm
+        return self.extended.tfdp_choice.algorithm
 
     @property
     def bucket_bytes(self) -> int:
-        return self._reduce.bucket_bytes
+        return self.extended.tfdp_reduce.bucket_bytes
 
     @property
     def compression(self):
-        return self._reduce.compression
+        return self.extended.tfdp_reduce.compression
 
     @property
-    def cross_device_ops(self) -> DataParallelReduce:
-        return self._reduce
+    def cross_device_ops(self):
+        """tfdp's reducer (``DataParallelReduce``; ``MultiWorkerReduce`` across workers)."""
+        return self.extended.tfdp_reduce
+
+    @property
+    def collective_timeout(self):
+        return self.extended.tfdp_settings.collective_timeout
+
+    @property
+    def heartbeat_timeout(self):
+        return self.extended.tfdp_settings.heartbeat_timeout
 
     @property
     def cluster(self):
-        """The resolved cluster (a ``tfdp.cluster.ClusterInfo``; single worker for now)."""
+        """The resolved cluster (a ``tfdp.cluster.ClusterInfo``)."""
         return self._cluster
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the job (1 here)."""
+        return worker_role(self).count
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's rank (0 here)."""
+        return worker_role(self).index
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this worker writes shared files (checkpoints, backups)."""
+        return worker_role(self).is_chief
 
     def reduce(self, reduce_op, value, axis):
         """``tf.distribute.Strategy.reduce``, also for nested structures.
@@ -150,6 +194,24 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
         return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+
+
+class LocalExtended(DataParallelExtendedBase, tfp.MirroredExtended):
+    """MirroredExtended over this process's devices with tfdp's reduction and step path."""
+
+    def _init_tf_extended(self, container_strategy, cluster):
+        del cluster
+        settings = self.tfdp_settings
+        devices = devices_lib.resolve_devices(self._tfdp_requested_devices)
+        choice = self._choose(devices)
+        reduce = DataParallelReduce(choice.algorithm, settings.bucket_bytes, settings.compression,
+                                    settings.sparse)
+        tfp.MirroredExtended.__init__(self, container_strategy, devices=devices,
+                                      cross_device_ops=reduce)
+        return reduce
+
+    def _num_workers_in_job(self) -> int:
+        return 1
 
 
 def uneven_reduce_error(reduce_op, shapes):
@@ -188,346 +250,4 @@ def _resolve_cluster(cluster_resolver):
     return resolve_cluster(cluster_resolver)
 
 
-# --- the extended: variable creation, replica shares, layer-state sync --------------------------
-
-class _DataParallelExtended(tfp.MirroredExtended):
-    """MirroredExtended with tfdp's reduction, replica shares and layer-state sync.
-
-    The multi-worker extended (``tfdp.strategy.multiworker``) derives from this class too; what differs
-    between them is ``_num_workers_in_job`` and ``_total_examples`` (a cross-worker count).
-    """
-
-    def __init__(self, container_strategy, devices, cross_device_ops):
-        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
-        self._init_tfdp(cross_device_ops)
-
-    def _init_tfdp(self, cross_device_ops):
-        self._tfdp_reduce = cross_device_ops
-        self.tfdp_step = None  # a gradient_path.Step while a strategy.run is traced
-        self._tfdp_no_merge = 0  # > 0: replica-context collectives only (no merge_call)
-        self._tfdp_replica_reduce = None
-        self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
-        self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
-        self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
-        self.tfdp_xla_refusal = None  # the error refuse_xla raised (autograph wraps it)
-        gradient_path.install()
-        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
-
-    def all_reduce_gradients(self, grads, densify_ok=False):
-        """SUM of every replica's ``grads`` (a flat list), called from a replica context by the
-        gradient path (``tfdp.gradient_path``); an empty replica's gradients count as zero.
-
-        One batched reduction through tfdp's reducer (``merge_call``), or, inside Keras's
-        gradient-accumulation branch, replica-context collectives.
-        """
-        step = self.tfdp_step
-        masks = None if step is None else step.masks
-        self._tfdp_reduce.densify_ok = densify_ok
-        if self._tfdp_no_merge and not tf.executing_eagerly():
-            # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
-            return self._replica_reducer().all_reduce(
-                tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
-        if not self._use_merge_call():  # XLA on GPUs: TF's replica-context collectives
-            if masks is not None:
-                grads = gradient_path.zero_if_empty(grads, masks[tfp.current_replica_id()])
-            return tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, grads)
-
-        def merge(strategy, *values):
-            ops = strategy.extended._tfdp_reduce
-            values = [v if tfp.is_distributed_values(v) else tfp.PerReplica((v,))
-                      for v in values]
-            return ops.batch_reduce_weighted(tf.distribute.ReduceOp.SUM,
-                                             [(v, v) for v in values], masks)
-
-        return tf.distribute.get_replica_context().merge_call(merge, args=tuple(grads))
-
-    # --- one strategy.run: replica shares for Keras's losses, then layer-state sync ----------
-
-    def _call_for_each_replica(self, fn, args, kwargs):
-        if self.tfdp_step is not None:
-            # nested: a merge_call's call_for_each_replica (e.g. LossScaleOptimizer's)
-            return self._run_replicas(fn, args, kwargs)
-        replicas = len(self.worker_devices) * self._num_workers_in_job()
-        if replicas > 1 and not tf.executing_eagerly() and tfp.in_xla_context():
-            self._check_xla_possible()
-        # (one replica: Keras's 1/1 is exact and there is no copy to sync)
-        shares = self._replica_shares(args) if replicas > 1 else None
-        step = gradient_path.Step(shares)
-        if shares is not None and not tf.executing_eagerly():
-            args, step.padded = self._pad_empty_replicas(args, step.live)
-            if step.padded:
-                saved = self._read_on_read_state()
-        with gradient_path.current_step(self, step):
-            result = self._run_replicas(fn, args, kwargs)
-        if step.padded:
-            self._restore_on_read_state(saved, step.live)
-            result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
-        if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
-            self._tfdp_optimizers.update(step.optimizers)
-            self._sync_layer_state(shares, replicas)
-        return result
-
-    # --- empty replicas: one real example, share 0, nothing counted ---------------------------
-    #
-    # A global batch smaller than the replica count leaves replicas with empty batches, and TF's
-    # oneDNN kernels (the CPU default) cannot take those: graph-mode MaxPoolGrad aborts the
-    # process (tensor.cc Check failed), Conv2D returns a wrong shape (ReluGrad / BiasAdd shape
-    # errors), with or without a strategy. So in a step whose batch size is not static an empty
-    # replica gets one example (a real one from a replica that has some, else zeros), selected
-    # by a tf.cond only when it is empty; its share stays 0, so its loss and gradients are
-    # exactly zero; its replica-context all-reduce inputs (SyncBatchNorm's sums and counts) are
-    # zeroed; its metric updates (ON_READ variables: Keras metrics and loss trackers) are undone;
-    # and its per-example outputs (predict) are cut back to 0 rows.
-
-    def _components(self, leaf, dynamic_only=True):
-        """The local replicas' tensors of a batched value (rank >= 1; with ``dynamic_only``, of
-        unknown batch size), else None. With one device per process values are plain tensors."""
-        if tfp.is_distributed_values(leaf):
-            comps = list(leaf.values)
-        elif isinstance(leaf, tf.Tensor) and len(self.worker_devices) == 1:
-            comps = [leaf]
-        else:
-            return None
-        if len(comps) != len(self.worker_devices) or not all(
-                isinstance(c, tf.Tensor) and c.shape.rank
-                and (c.shape[0] is None or not dynamic_only) for c in comps):
-            return None
-        return comps
-
-    def _regroup(self, leaf, comps):
-        return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
-
-    def _per_replica_select(self, leaf, live, if_empty):
-        """``leaf`` with replica r's component replaced by ``if_empty(c)`` where it is empty
-        (a tf.cond per replica; None when ``leaf`` is not a dynamic-size batch)."""
-        comps = self._components(leaf)
-        if comps is None:
-            return None
-        out = []
-        for c, ok, d in zip(comps, live, self.worker_devices):
-            with tf.device(d):
-                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: if_empty(c, comps)))
-        return self._regroup(leaf, out)
-
-    def _pad_empty_replicas(self, args, live):
-        """``args`` with empty replicas given one example, and whether any input could be."""
-        padded = []
-
-        def donor(c, comps):  # one real example from a replica that has some, else zeros
-            rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], tf.shape(c)[1:]], 0),
-                                                      c.dtype)]
-            return tf.concat(rows, 0)[:1]
-
-        def pad(leaf):
-            out = self._per_replica_select(leaf, live, donor)
-            if out is None:
-                return leaf
-            padded.append(leaf)
-            return out
-
-        return tf.nest.map_structure(pad, args), bool(padded)
-
-    def _read_on_read_state(self):
-        saved = []
-        for ref in self._tfdp_on_read_vars:
-            v = ref()
-            if v is not None:
-                vals = []
-                for c in v.values:
-                    with tf.device(c.device):
-                        vals.append(c.read_value())
-                saved.append((v, vals))
-        return saved
-
-    def _restore_on_read_state(self, saved, live):
-        for v, vals in saved:
-            for c, old, ok in zip(v.values, vals, live):
-                with tf.device(c.device):
-                    c.assign(tf.where(ok, c.read_value(), old))
-
-    def _trim_padded(self, leaf, live):
-        out = self._per_replica_select(leaf, live, lambda c, _: c[:0])
-        return leaf if out is None else out
-
-    def whole_step_xla_possible(self) -> bool:
-        """Whether XLA can compile a whole step with its collectives: one replica, or GPUs."""
-        replicas = len(self.worker_devices) * self._num_workers_in_job()
-        return replicas == 1 or all(devices_lib.is_gpu(d) for d in self.worker_devices)
-
-    def refuse_xla(self, what):
-        from tfdp.errors import TfdpError, message
-        devices = [devices_lib.short_name(d) for d in self.worker_devices]
-        self.tfdp_xla_refusal = TfdpError(message(
-            f"jit_compile=True cannot run here: XLA cannot compile collective ops for CPU "
-            f"devices (TensorFlow: 'Collectives are not yet implemented for CPU devices when "
-            f"compiling with XLA'), and {what} needs one inside the compiled step",
-            f"jit_compile=True with {len(devices) * self._num_workers_in_job()} replicas on "
-            f"{devices}",
-            "Fix: compile with jit_compile=False, or leave Keras's default jit_compile='auto' "
-            "(it resolves to False here); with Keras's own train_step, plain BatchNorm and no "
-            "wrapping tf.function, tfdp compiles each replica's step."))
-        raise self.tfdp_xla_refusal
-
-    def _refuse_all_reduce_in_xla(self):
-        if self.tfdp_step is not None and self.tfdp_step.deferred:
-            self.refuse_xla("a replica-context all-reduce in the step (e.g. "
-                            "BatchNormalization(synchronized=True))")
-
-    def _check_xla_possible(self):
-        """A whole strategy.run inside one XLA function: possible on GPUs only."""
-        if not self.whole_step_xla_possible():
-            self.refuse_xla("a tf.function(jit_compile=True) around strategy.run (tfdp "
-                            "compiles each replica's step only for Keras's compile(jit_compile="
-                            "True))")
-
-    def _run_replicas(self, fn, args, kwargs):
-        return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)
-
-    def _num_workers_in_job(self) -> int:
-        return 1
-
-    def _replica_shares(self, args):
-        """n_r / sum(n): replica r's share of the global batch (its first batched input; the
-        sum over every replica of the job, ``_total_examples``)."""
-        for leaf in tf.nest.flatten(args):
-            comps = self._components(leaf, dynamic_only=False)
-            if comps is None:
-                continue
-            sizes = []
-            for c, d in zip(comps, self.worker_devices):
-                with tf.device(d):
-                    sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
-            total = self._total_examples(tf.math.add_n(sizes))
-            return [tf.math.divide_no_nan(s, total) for s in sizes]
-        return None
-
-    def _total_examples(self, local_total):
-        return local_total
-
-    # --- replica-context collectives (gradient accumulation) ---------------------------------
-
-    @contextlib.contextmanager
-    def replica_collectives(self):
-        """Reduce from the replica contexts (no merge_call) while inside: Keras's accumulation
-        all-reduces inside a tf.cond, where merge_call is refused."""
-        self._tfdp_no_merge += 1
-        try:
-            yield
-        finally:
-            self._tfdp_no_merge -= 1
-
-    def _use_merge_call(self):
-        if self._tfdp_no_merge or (self.tfdp_step is not None and self.tfdp_step.deferred):
-            return False  # (inside an XLA-compiled replica step: no merge_call can run there)
-        return super()._use_merge_call()
-
-    def _get_cross_device_ops(self, value):
-        if self._tfdp_no_merge:  # (MirroredExtended would switch to its XLA collectives here)
-            return self._tfdp_reduce
-        return super()._get_cross_device_ops(value)
-
-    def _replica_reducer(self):
-        if self._tfdp_replica_reduce is None:
-            from tfdp.reduce.collective import ReplicaAllReduce
-            ops = self._tfdp_reduce
-            self._tfdp_replica_reduce = ReplicaAllReduce(
-                self.worker_devices, self._num_workers_in_job(), ops.bucket_bytes,
-                ops.compression, getattr(ops, "timeout_seconds", 0.0))
-        return self._tfdp_replica_reduce
-
-    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-        self._refuse_all_reduce_in_xla()
-        if not self._tfdp_no_merge or tf.executing_eagerly():
-            return super()._replica_ctx_all_reduce(reduce_op, value, options)
-        replica_id = tfp.current_replica_id()
-        flat = tf.nest.flatten(value)
-        reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
-        return tf.nest.pack_sequence_as(value, reduced)
-
-    # --- mirrored means mirrored: layer state ------------------------------------------------
-
-    def _create_variable(self, next_creator, **kwargs):
-        v = super()._create_variable(next_creator, **kwargs)
-        if (tfp.is_distributed_values(v) and v.dtype.is_floating and not v.trainable
-                and v.aggregation == tf.VariableAggregation.NONE):
-            self._tfdp_state_vars.append(weakref.ref(v))
-        if (tfp.is_distributed_values(v)
-                and v.synchronization == tf.VariableSynchronization.ON_READ):
-            self._tfdp_on_read_vars.append(weakref.ref(v))
-        return v
-
-    def _sync_layer_state(self, shares, replicas):
-        """Average float non-trainable variables with aggregation NONE across replicas.
-
-        Such variables (BatchNorm moving statistics) are updated by each replica with its own
-        batch statistics, so MirroredStrategy lets their copies drift apart. After every
-        training step (a step in which an optimizer applied gradients) tfdp replaces every copy
-        by the batch-share-weighted mean of the copies (for a moving mean that is exactly the
-        update with the global batch mean). Optimizer variables are left alone (every replica
-        updates them identically). Ordered after the step's updates by TF's automatic control
-        dependencies on the same resources.
-        """
-        skip = set()
-        for opt in self._tfdp_optimizers:
-            for o in (opt, getattr(opt, "inner_optimizer", None)):
-                for v in getattr(o, "variables", None) or ():
-                    skip.add(id(getattr(v, "value", v)))
-        alive = [r() for r in self._tfdp_state_vars]
-        self._tfdp_state_vars = [r for r, v in zip(self._tfdp_state_vars, alive) if v is not None]
-        targets = [v for v in alive if v is not None and id(v) not in skip]
-        if not targets:
-            return
-        pairs = []
-        for tv in targets:
-            comps = []
-            for c in tv.values:
-                with tf.device(c.device):
-                    comps.append(c.read_value())
-            pairs.append((tfp.PerReplica(tuple(comps)), tv))
-        weights = None if shares is None else [s * float(replicas) for s in shares]
-        means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
-        for tv, mean in zip(targets, means):
-            for c, m in zip(tv.values, self._local_results(mean)):
-                with tf.device(c.device):
-                    c.assign(m)
-
-    # --- input: never write into the user's numpy arrays -------------------------------------
-
-    def _experimental_distribute_dataset(self, dataset, options):
-        # A Python-function source (Keras's PyDataset / generator adapters) hands numpy memory
-        # to TF zero-copy, and the per-replica rebatch makes it writable (tfdp.data._no_alias).
-        from tfdp.data._no_alias import no_numpy_alias
-        return super()._experimental_distribute_dataset(no_numpy_alias(dataset), options)
-
-    # --- destinations ------------------------------------------------------------------------
-
-    def _fill_destinations(self, value, destinations):
-        # A one-device replica-context all_reduce passes a tensor whose device string is empty:
-        # MirroredStrategy then fails with "destinations can not be empty". Use the value's
-        # devices (or the single replica device) instead.
-        if tfp.has_destinations(destinations):
-            return destinations
-        if tfp.is_distributed_values(value):
-            return value
-        if len(self.worker_devices) == 1:
-            return self.worker_devices[0]
-        return destinations
-
-    def _reduce_to(self, reduce_op, value, destinations, options):
-        return super()._reduce_to(reduce_op, value, self._fill_destinations(value, destinations),
-                                  options)
-
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        value_destination_pairs = [(v, self._fill_destinations(v, d))
-                                   for v, d in value_destination_pairs]
-        step = self.tfdp_step
-        if (step is not None and step.padded and step.masks is not None
-                and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
-                == tf.distribute.ReduceOp.SUM):
-            # a replica-context all-reduce (SyncBatchNorm's sums and counts) in a step with a
-            # padded replica: that replica adds nothing
-            pairs = [(v if tfp.is_distributed_values(v) else tfp.PerReplica((v,)), d)
-                     for v, d in value_destination_pairs]
-            return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, step.masks)
-        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+__all__ = ["DataParallelStrategy", "LocalExtended", "uneven_reduce_error"]

@@ -49,344 +49,41 @@ import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
-from tfdp import failures, gradient_path
-from tfdp.strategy import local as strategy_lib
+from tfdp import failures
 from tfdp.errors import TfdpError, invalid_argument
-from tfdp.reduce import compression as codec
-from tfdp.reduce import keys, packing, registry
-from tfdp.reduce.local import _in_place, _op, _scale, tree_sum  # shared with the local one
+from tfdp.keras import gradient_path
+from tfdp.reduce.hierarchical import MultiWorkerReduce
+from tfdp.strategy.extended import DataParallelExtendedBase
+from tfdp.strategy.local import DataParallelStrategy, uneven_reduce_error
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
 late_collective_config = tfp.late_collective_config
 
 log = logging.getLogger("tfdp")
 
-# Collective keys. TF's own CollectiveKeys (initial-value broadcast, TF's CollectiveAllReduce
-# used for gather) hand out small group keys from 1; tfdp's groups live far above. Instance keys
-# come from tfdp.reduce.keys (run-time counters, one per local device slot).
-_GROUP_KEY_BASE = 1 << 24
-
-# dtypes CollectiveReduceV2 / CollectiveGatherV2 accept (others are cast for the trip).
-_REDUCE_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64, tf.int32, tf.int64)
-_GATHER_DTYPES = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
-COMPRESSED_BUCKET_BYTES = 64 * 1024 * 1024  # bucket cap when gradients are compressed
-_RING_SUBDIVS = 16  # measured: 2 workers, 64 MB float32 on loopback: 610 ms -> 267 ms (DESIGN.md)
-
-SUM = tf.distribute.ReduceOp.SUM
-MEAN = tf.distribute.ReduceOp.MEAN
-
-
-def _copies(t, devices):
-    """``t`` on every device of ``devices`` (t itself where it already is)."""
-    out = []
-    for d in devices:
-        with tf.device(d):
-            out.append(tf.identity(t))
-    return out
-
-
-# --- the cross-device ops ----------------------------------------------------------------------
-
-class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
-    """Hierarchical all-reduce: local devices, then across workers with TF collectives.
-
-    Args:
-      devices: this worker's replica devices (canonical strings), in local replica order.
-      num_workers: number of worker processes (each with ``len(devices)`` replicas).
-      algorithm: local stage: "ring" (reduce-scatter, one cross-worker collective per local
-        device and chunk, all-gather) or anything else (pairwise tree to the first device, one
-        cross-worker collective there, copy back).
-      bucket_bytes: fusion bucket capacity (``tfdp.reduce.packing``); None: packing's default.
-      compression: None, "fp16" or "bf16": dense float buckets travel in that dtype.
-      fallback: TF's ``CollectiveAllReduce`` over the same devices, used for ``gather``.
-      timeout_seconds: collective timeout (0: none); an expired collective raises
-        DeadlineExceededError instead of waiting for a peer forever.
-      sparse: IndexedSlices: "auto", "gather" or "densify" (``tfdp.reduce.sparse``); None reads
-        ``TFDP_SPARSE`` (default "auto").
-    """
-
-    def __init__(self, devices, num_workers: int, algorithm: str = "fused",
-                 bucket_bytes: int | None = None, compression: str | None = None, *,
-                 fallback=None, timeout_seconds: float = 0.0, sparse: str | None = None):
-        super().__init__()
-        from tfdp.reduce import sparse as sparse_lib
-        self.sparse = sparse_lib.resolve_mode(sparse)
-        self.densify_ok = False  # set per Keras train step (strategy._DataParallelExtended)
-        self.devices = tuple(devices)
-        self.num_workers = int(num_workers)
-        self.algorithm = algorithm
-        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
-        self.bucket_bytes = packing.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        self.compression = registry.validate_compression(compression)
-        self.timeout_seconds = float(timeout_seconds)
-        self._fallback = fallback
-        self.gpu = all(devices_lib.is_gpu(d) for d in self.devices)
-        self.hint = "nccl" if self.gpu else "ring"
-        # NCCL needs every worker to launch collectives in the same order: each collective on a
-        # GPU takes its device's ordering token (a resource), so TF's automatic control
-        # dependencies run them in program order (as TF's own CollectiveReplicaLauncher does).
-        self._tokens = None
-        if self.gpu:
-            with tf.init_scope():
-                self._tokens = []
-                for d in self.devices:
-                    with tf.device(d):
-                        self._tokens.append(tf.Variable(0.0, trainable=False,
-                                                        name="tfdp_collective_order"))
-        self._keys = keys.InstanceKeys(self.devices, "tfdp_cross_worker_key")
-        self.traced_batch_reductions = 0
-        self.last_plan: list = []
-
-    def __repr__(self):
-        return (f"MultiWorkerReduce(workers={self.num_workers}, local_devices="
-                f"{len(self.devices)}, algorithm={self.algorithm!r}, "
-                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}, "
-                f"cross_worker={self.hint!r})")
-
-    @property
-    def _num_between_graph_workers(self):
-        return self.num_workers
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.devices) * self.num_workers
-
-    # --- cross-worker primitives (one device per worker; same call order on every worker) ----
-
-    def _ordering_token(self, index):
-        return [] if self._tokens is None else [self._tokens[index].handle]
-
-    def cross_worker_sum(self, t, index: int = 0):
-        """Sum ``t`` (on local device ``index``) over the workers: one collective."""
-        dtype = t.dtype
-        wire = t
-        if dtype not in _REDUCE_DTYPES:
-            wire = tf.cast(t, tf.int64 if dtype.is_integer or dtype == tf.bool else tf.float32)
-        with tf.device(self.devices[index]):
-            out = tf.raw_ops.CollectiveReduceV2(
-                input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
-                instance_key=self._keys.next(index), ordering_token=self._ordering_token(index),
-                merge_op="Add", final_op="Id", communication_hint=self.hint,
-                timeout_seconds=self.timeout_seconds,
-                max_subdivs_per_device=-1 if self.gpu else _RING_SUBDIVS)
-            return out if wire is t else tf.cast(out, dtype)
-
-    def cross_worker_gather(self, t, index: int = 0):
-        """Concatenate ``t`` (same shape on every worker) of all workers along axis 0."""
-        dtype = t.dtype
-        wire = t if dtype in _GATHER_DTYPES else tf.cast(
-            t, tf.int64 if dtype.is_integer or dtype == tf.bool else tf.float32)
-        with tf.device(self.devices[index]):
-            out = tf.raw_ops.CollectiveGatherV2(
-                input=wire, group_size=self.num_workers, group_key=_GROUP_KEY_BASE + index,
-                instance_key=self._keys.next(index), ordering_token=self._ordering_token(index),
-                communication_hint=self.hint, timeout_seconds=self.timeout_seconds)
-            return out if wire is t else tf.cast(out, dtype)
-
-    def cross_worker_gather_ragged(self, t, index: int = 0):
-        """Concatenate along axis 0 tensors whose first dimension differs between workers."""
-        with tf.device(self.devices[index]):
-            n = tf.shape(t, out_type=tf.int32)[:1]
-            lens = self.cross_worker_gather(n, index)
-            longest = tf.reduce_max(lens)
-            pad = [[0, longest - n[0]]] + [[0, 0]] * (t.shape.rank - 1)
-            gathered = self.cross_worker_gather(tf.pad(t, pad), index)
-            keep = tf.reshape(tf.range(longest)[tf.newaxis, :] < lens[:, tf.newaxis], [-1])
-            return tf.boolean_mask(gathered, keep)
-
-    # --- tf.distribute.CrossDeviceOps contract -------------------------------------------------
-
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        del options
-        if len(per_replica_value.values) != len(self.devices):
-            raise ValueError(
-                f"tfdp MultiWorkerReduce expects one value per local replica "
-                f"({len(self.devices)}); got {len(per_replica_value.values)}.")
-        reduced = self.all_reduce(reduce_op, [per_replica_value])[0]
-        if (not tfp.has_destinations(destinations)
-                or tuple(tfp.devices_of(destinations)) == self.devices):
-            return reduced
-        first = tfp.select_replica(0, reduced) if tfp.is_distributed_values(reduced) else reduced
-        return self.broadcast(first, destinations)
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        return self.batch_reduce_weighted(reduce_op, value_destination_pairs, None)
-
-    def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        if self._fallback is None:
-            raise NotImplementedError("gather needs the fallback CollectiveAllReduce")
-        return self._fallback._gather_implementation(  # pylint: disable=protected-access
-            per_replica_value, destinations, axis, options)
-
-    # --- tfdp ----------------------------------------------------------------------------------
-
-    def batch_reduce_weighted(self, reduce_op, value_destination_pairs, weights):
-        """batch_reduce where replica r's values are multiplied by ``weights[r]`` first."""
-        reduce_op = _op(reduce_op)
-        pairs = list(value_destination_pairs)
-        if all(_in_place(d, self.devices) for _, d in pairs):
-            return self.all_reduce(reduce_op, [v for v, _ in pairs], weights)
-        if weights is not None:
-            raise NotImplementedError("weighted reduction to other destinations")
-        return [self.reduce_implementation(reduce_op, v, d, None) for v, d in pairs]
-
-    def all_reduce(self, reduce_op, values, weights=None):
-        """All-reduce PerReplica values over every replica of every worker.
-
-        Args:
-          reduce_op: SUM or MEAN (MEAN divides by the global replica count).
-          values: DistributedValues with one component per local device, in replica order.
-          weights: optional per-local-replica scalar tensors multiplying float values first.
-        Returns:
-          Mirrored values (plain tensors with one local device), identical on every worker.
-        """
-        reduce_op = _op(reduce_op)
-        self.traced_batch_reductions += 1
-        devices = list(self.devices)
-        k = len(devices)
-        n_global = self.num_replicas
-        results = [None] * len(values)
-        comps_of = [list(v.values) if tfp.is_distributed_values(v) else [v] for v in values]
-        dense = [i for i, c in enumerate(comps_of) if not isinstance(c[0], tf.IndexedSlices)]
-        sparse = [i for i, c in enumerate(comps_of) if isinstance(c[0], tf.IndexedSlices)]
-
-        for i in sparse:
-            results[i] = self._all_gather_slices(comps_of[i], weights, reduce_op)
-
-        specs = []
-        for i in dense:
-            t = comps_of[i][0]
-            specs.append((t.dtype, t.shape.num_elements(), t.dtype.size))
-        cap = self.bucket_bytes
-        if self.compression is not None and cap > 0:
-            # Compressed: every collective has a fixed cost (~5 ms on loopback) that casting does
-            # not shrink, so pack even large tensors into few big collectives (measured, 2 workers,
-            # 64 MB in 32 tensors: fp16 1.17-1.61x over uncompressed one per tensor, 1.31-1.69x
-            # packed; README "Compression").
-            cap = max(cap, COMPRESSED_BUCKET_BYTES)
-        plan = packing.plan(specs, cap)
-        self.last_plan = plan
-        for bucket in plan:
-            idx = [dense[j] for j in bucket.indices]
-            dtype = bucket.dtype
-            shapes = [comps_of[i][0].shape for i in idx]
-            if not bucket.fused and not shapes[0].is_fully_defined():
-                shapes = None
-            floating = dtype.is_floating
-            compress = self.compression if floating else None
-            pre_mean = reduce_op == MEAN and compress is not None
-            bufs = []
-            for r, d in enumerate(devices):
-                with tf.device(d):
-                    comps = [comps_of[i][r] for i in idx]
-                    factor = None
-                    if weights is not None and floating:
-                        factor = tf.cast(weights[r], dtype)
-                    if pre_mean:
-                        factor = (1.0 / n_global) if factor is None else factor / n_global
-                    if factor is not None:  # 0 * NaN = 0: an empty replica adds nothing
-                        comps = [tf.math.multiply_no_nan(c, tf.cast(factor, dtype))
-                                 for c in comps]
-                    if compress is not None:  # cast first: the packing copy moves half the bytes
-                        comps = [codec.encode(c, compress) for c in comps]
-                    buf = packing.pack(comps) if bucket.fused else tf.identity(comps[0])
-                    bufs.append(buf)
-            post = (1.0 / n_global) if (reduce_op == MEAN and not pre_mean) else None
-
-            def finish(t, index, dtype=dtype, post=post):
-                return _scale(codec.decode(self.cross_worker_sum(t, index), dtype), post)
-
-            size = bufs[0].shape.num_elements()
-            if self.algorithm == "ring" and k > 1 and size is not None and size >= k:
-                reduced = self._ring(bufs, devices, finish)
-            else:
-                reduced = self._tree(bufs, devices, finish)
-            per_value = [[None] * k for _ in idx]
-            for r, d in enumerate(devices):
-                with tf.device(d):
-                    parts = (packing.unpack(reduced[r], bucket.sizes, shapes) if bucket.fused
-                             else [reduced[r]])
-                for j, p in enumerate(parts):
-                    per_value[j][r] = p
-            for j, i in enumerate(idx):
-                results[i] = tfp.mirrored(per_value[j])
-        return results
-
-    # --- local stages ------------------------------------------------------------------------
-
-    @staticmethod
-    def _tree(bufs, devices, finish):
-        """Pairwise tree of adds to devices[0], finish (cross-worker) there, copy to all."""
-        total = tree_sum(bufs, devices)
-        with tf.device(devices[0]):
-            total = finish(total, 0)
-        return _copies(total, devices)
-
-    @staticmethod
-    def _ring(bufs, devices, finish):
-        """Reduce-scatter (device c sums chunk c), finish chunk c on device c, all-gather."""
-        k = len(bufs)
-        shape = bufs[0].shape
-        size = shape.num_elements()
-        base, rem = divmod(size, k)
-        sizes = [base + (1 if c < rem else 0) for c in range(k)]
-        chunks = []
-        for b, d in zip(bufs, devices):
-            with tf.device(d):
-                chunks.append(tf.split(tf.reshape(b, [-1]), sizes))
-        summed = []
-        for c, d in enumerate(devices):
-            with tf.device(d):
-                summed.append(finish(tf.math.add_n([chunks[r][c] for r in range(k)]), c))
-        out = []
-        for d in devices:
-            with tf.device(d):
-                out.append(tf.reshape(tf.concat(summed, 0), shape))
-        return out
-
-    def _all_gather_slices(self, comps, weights, reduce_op):
-        """IndexedSlices over every replica of every worker: all-gathered (local replicas, then
-        workers, in rank order) or densified and summed, by ``tfdp.reduce.sparse``'s rule
-        (``TFDP_SPARSE``: auto | gather | densify)."""
-        from tfdp.reduce import sparse as sparse_lib
-        per_dev = sparse_lib.reduce_across_workers(
-            comps, weights, self.devices, self.num_workers,
-            self.sparse,
-            gather=lambda t: self.cross_worker_gather(t, 0),
-            sum_dense=lambda t: self.cross_worker_sum(t, 0),
-            scale=(1.0 / self.num_replicas) if reduce_op == MEAN else None,
-            densify_ok=self.densify_ok)
-        return tfp.mirrored(per_dev)
-
-
 # --- the extended ------------------------------------------------------------------------------
 
-class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllReduceExtended):
-    """CollectiveAllReduceExtended on every local device, with tfdp's reduction and weights.
+class MultiWorkerExtended(DataParallelExtendedBase, CollectiveAllReduceExtended):
+    """CollectiveAllReduceExtended on every local device, with tfdp's reduction and step path.
 
-    Method resolution: tfdp's ``_DataParallelExtended`` first (replica shares for the gradient
-    path, layer-state sync, destination filling), then TF's
+    Method resolution: tfdp's ``DataParallelExtendedBase`` first (replica shares for the
+    gradient path, layer-state sync, destination filling), then TF's
     ``CollectiveAllReduceExtended`` (cluster, server, broadcasts, input sharding), then
     ``MirroredExtended``.
     """
 
-    def __init__(self, container_strategy, cluster_resolver, local_devices, algorithm,
-                 bucket_bytes, compression, timeout_seconds, heartbeat_timeout=None,
-                 sparse=None):
-        self._tfdp_requested_devices = local_devices
-        self.tfdp_step = None
-        self._tfdp_state_vars = []
-        self._tfdp_on_read_vars = []
-        if heartbeat_timeout:
-            # TF's Python health-check thread, used only where no coordination service runs:
-            # a peer is declared down after about interval + retries * timeout.
-            self._check_health_interval = max(1.0, heartbeat_timeout / 2)
-            self._check_health_timeout = max(1, int(heartbeat_timeout / 4))
-            self._check_health_retry_limit = 2
+    def _init_tf_extended(self, container_strategy, cluster):
+        settings = self.tfdp_settings
+        heartbeat_timeout = settings.heartbeat_timeout
+        # TF's Python health-check thread, used only where no coordination service runs: a peer
+        # is declared down after about interval + retries * timeout.
+        self._check_health_interval = max(1.0, heartbeat_timeout / 2)
+        self._check_health_timeout = max(1, int(heartbeat_timeout / 4))
+        self._check_health_retry_limit = 2
         with late_collective_config() as late, tfp.coordination_heartbeat_timeout(
-                heartbeat_timeout or 10.0):  # (TF's default)
+                heartbeat_timeout):
             CollectiveAllReduceExtended.__init__(
-                self, container_strategy, cluster_resolver=cluster_resolver,
+                self, container_strategy, cluster_resolver=cluster.to_resolver(),
                 communication_options=tf.distribute.experimental.CommunicationOptions())
         self.tfdp_late_start = late
         if late:
@@ -395,16 +92,14 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
             tfp.alias_former_local_devices(self._task_type, self._task_id)
             _warn_variables_made_before()
         devs = list(self.worker_devices)
-        choice = registry.choose(
-            algorithm, devs, physical_gpus=len(tf.config.list_physical_devices("GPU")),
-            nccl_kernel=tfp.nccl_kernel_registered())
-        self.tfdp_choice = choice
+        choice = self._choose(devs)
         self._tf_collective_ops = self._cross_device_ops
-        self._tfdp_reduce = MultiWorkerReduce(
-            devs, self._num_workers, choice.algorithm, bucket_bytes, compression,
-            fallback=self._tf_collective_ops, timeout_seconds=timeout_seconds, sparse=sparse)
-        self._cross_device_ops = self._tfdp_reduce
-        self._init_tfdp(self._tfdp_reduce)  # strategy._DataParallelExtended's tfdp state
+        reduce = MultiWorkerReduce(
+            devs, self._num_workers, choice.algorithm, settings.bucket_bytes,
+            settings.compression, fallback=self._tf_collective_ops,
+            timeout_seconds=settings.collective_timeout or 0.0, sparse=settings.sparse)
+        self._cross_device_ops = reduce
+        return reduce
 
     def _create_variable(self, next_creator, **kwargs):
         # Worker 0 broadcasts each initial value; a worker whose model differs (another shape
@@ -460,7 +155,7 @@ class _MultiWorkerExtended(strategy_lib._DataParallelExtended, CollectiveAllRedu
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         self._refuse_all_reduce_in_xla()
         if self._tfdp_no_merge and not tf.executing_eagerly():
-            return strategy_lib._DataParallelExtended._replica_ctx_all_reduce(
+            return DataParallelExtendedBase._replica_ctx_all_reduce(
                 self, reduce_op, value, options)
         return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
 
@@ -575,7 +270,8 @@ def _check_cluster(cluster):
     return cluster
 
 
-class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerDataParallelStrategy(DataParallelStrategy,
+                                      tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism over every local device of every worker process.
 
     Datasets, tensors and seeds may come before it (tfdp starts TF's collective runtime late
@@ -583,12 +279,16 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
     (earlier variables stay on devices that are no longer local: one warning names them).
     ``TFDP_CPU_REPLICAS`` is applied when tfdp is imported, so import tfdp before TF code runs.
 
+    ``tfdp.DataParallelStrategy()`` returns this strategy by itself when TF_CONFIG / SLURM
+    describe several workers; it is a ``DataParallelStrategy`` and takes the same arguments.
+
     Args:
-      cluster: a ``tfdp.cluster.ClusterInfo`` with 2 or more workers; None reads TF_CONFIG /
-        SLURM (``tfdp.cluster.resolve_cluster()``).
       devices: this worker's replica devices (``["CPU:0", "CPU:1"]``, ``["GPU:0"]``); None
         means every local GPU, else the logical CPU devices (``TFDP_CPU_REPLICAS`` /
         ``tfdp.configure_cpu_replicas``), else CPU:0. Every worker must have as many.
+      cluster: a ``tfdp.cluster.ClusterInfo`` with 2 or more workers; None reads
+        ``cluster_resolver``, else TF_CONFIG / SLURM (``tfdp.cluster.resolve_cluster()``).
+      cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` instead.
       all_reduce, bucket_bytes, compression, sparse: as for ``tfdp.DataParallelStrategy``; the
         algorithm names the local stage ("ring": reduce-scatter + one cross-worker collective
         per device; others: tree to one device + one cross-worker collective).
@@ -604,78 +304,61 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
         in TF's C++ threads, so slow steps do not trigger it.
     """
 
-    def __init__(self, cluster=None, devices=None, *, all_reduce: str = "auto",
-                 bucket_bytes: int | None = None, compression: str | None = None,
-                 collective_timeout: float | None = None,
-                 heartbeat_timeout: float | None = None, sparse: str | None = None):
-        from tfdp.reduce import sparse as sparse_lib
-        sparse = sparse_lib.resolve_mode(sparse)
-        algorithm = registry.validate_algorithm(all_reduce)
-        compression = registry.validate_compression(compression)
-        bucket_bytes = registry.validate_bucket_bytes(bucket_bytes)
-        collective_timeout = failures.seconds_setting(collective_timeout, "collective_timeout",
-                                              failures.COLLECTIVE_TIMEOUT_ENV, None)
-        heartbeat_timeout = failures.seconds_setting(heartbeat_timeout, "heartbeat_timeout",
-                                             failures.HEARTBEAT_TIMEOUT_ENV, failures.DEFAULT_HEARTBEAT_TIMEOUT,
-                                             off_ok=False)
+    # One __init__ (DataParallelStrategy's) with the same arguments; these are its steps.
+
+    def _resolve(self, cluster_resolver, cluster, devices, settings):
         if devices is not None:
             if isinstance(devices, str) or not hasattr(devices, "__iter__") or not list(devices):
                 raise invalid_argument("devices", devices, fix="Pass a list of local device "
                                        "names such as ['CPU:0', 'CPU:1'], or None for all local "
                                        "devices.")
-            devices = list(devices)
-            for d in devices:
+            for d in list(devices):
                 try:
                     devices_lib.canonical(str(d))
                 except ValueError:
                     raise invalid_argument("devices", devices, what=f"Invalid device {d!r}",
                                            fix="Use names like 'CPU:0' or 'GPU:1'.") from None
+        if cluster is None and cluster_resolver is not None:
+            from tfdp.strategy.local import _resolve_cluster
+            cluster = _resolve_cluster(cluster_resolver)
         cluster = _check_cluster(cluster)
         _prepare_cpu_replicas(devices)
-        self._cluster = cluster
-        self._requested_all_reduce = algorithm
-        self.collective_timeout = collective_timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        failures.PeerFailureHook.install(cluster, heartbeat_timeout, collective_timeout)
-        extended = _MultiWorkerExtended(self, cluster.to_resolver(), devices, algorithm,
-                                        bucket_bytes, compression, collective_timeout or 0.0,
-                                        heartbeat_timeout, sparse)
-        tf.distribute.Strategy.__init__(self, extended)  # MWMS.__init__ minus its extended
+        failures.PeerFailureHook.install(cluster, settings.heartbeat_timeout,
+                                         settings.collective_timeout)
+        return cluster
+
+    @property
+    def _extended_class(self):
+        return MultiWorkerExtended
+
+    def _started(self, devices):
+        extended = self.extended
         _check_local_devices(extended.worker_devices, devices)
         self._check_same_replica_count()
         log.info("tfdp: worker %d of %d, %d replica(s) each %s; all_reduce=%r -> %r (%s), "
-                 "across workers %s; bucket_bytes=%d; compression=%s%s", cluster.rank,
-                 cluster.num_workers, len(extended.worker_devices),
-                 [devices_lib.short_name(d) for d in extended.worker_devices], algorithm,
-                 extended.tfdp_choice.algorithm, extended.tfdp_choice.reason,
-                 extended._tfdp_reduce.hint, extended._tfdp_reduce.bucket_bytes,
-                 extended._tfdp_reduce.compression,
+                 "across workers %s; bucket_bytes=%d; compression=%s%s", self._cluster.rank,
+                 self._cluster.num_workers, len(extended.worker_devices),
+                 [devices_lib.short_name(d) for d in extended.worker_devices],
+                 extended.tfdp_settings.all_reduce, extended.tfdp_choice.algorithm,
+                 extended.tfdp_choice.reason, extended.tfdp_reduce.hint,
+                 extended.tfdp_reduce.bucket_bytes, extended.tfdp_reduce.compression,
                  " (collective runtime started late)" if extended.tfdp_late_start else "")
-        from tfdp.callbacks import shared_files  # Keras's own callbacks: only the chief writes
+        from tfdp.callbacks import (
+            shared_files,  # Keras's own callbacks: only the chief writes
+        )
         shared_files.install(self)
 
-    # --- tfdp's additions ---------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return self._cluster.num_workers
 
     @property
-    def all_reduce(self) -> str:
-        return self.extended.tfdp_choice.algorithm
+    def worker_index(self) -> int:
+        return self._cluster.rank
 
     @property
-    def bucket_bytes(self) -> int:
-        return self.extended._tfdp_reduce.bucket_bytes
-
-    @property
-    def compression(self):
-        return self.extended._tfdp_reduce.compression
-
-    @property
-    def cross_device_ops(self) -> MultiWorkerReduce:
-        return self.extended._tfdp_reduce
-
-    @property
-    def cluster(self):
-        """The resolved cluster (a ``tfdp.cluster.ClusterInfo``)."""
-        return self._cluster
+    def is_chief(self) -> bool:
+        return bool(self._cluster.is_chief)
 
     def reduce(self, reduce_op, value, axis=None):
         """``tf.distribute.Strategy.reduce`` across all workers, also for nested structures.
@@ -699,7 +382,7 @@ class MultiWorkerDataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy)
                     and not self._same_shapes_everywhere(comps)):
                 if gradient_path.in_keras_symbolic_build():
                     return tf.concat([tf.identity(c) for c in comps], axis=0)
-                raise strategy_lib.uneven_reduce_error(reduce_op, [c.shape for c in comps])
+                raise uneven_reduce_error(reduce_op, [c.shape for c in comps])
         return super().reduce(reduce_op, value, axis)
 
     def _check_same_replica_count(self):

@@ -1,0 +1,133 @@
+"""The layout a newcomer reads: no import cycles in tfdp/, and names-only imports stay light.
+
+An import cycle is a chain of module-level imports (``import x`` / ``from x import y`` outside
+functions) among tfdp's modules that leads back to where it started. Imports inside functions
+(done when first needed, e.g. ``DataParallelStrategy()`` choosing the multi-worker strategy) are
+not part of the module graph.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "tfdp")
+
+
+def _modules():
+    mods = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+                mods[name] = path
+    return mods
+
+
+def _module_level_imports(path, name, mods):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    out = set()
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        out.add(a.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    if sub in mods:
+                        out.add(sub)
+                    elif base in mods:
+                        out.add(base)
+            if isinstance(node, ast.ClassDef):
+                visit([n for n in node.body])
+            elif hasattr(node, "body") and not isinstance(node, ast.ClassDef):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, field, []) or [])
+    visit(tree.body)
+    out.discard(name)
+    return out
+
+
+def _graph():
+    mods = _modules()
+    return {name: _module_level_imports(path, name, mods) for name, path in mods.items()}
+
+
+def _cycles(graph):
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index, low, stack, on, comps, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return comps
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_tfdp():
+    graph = _graph()
+    assert "tfdp.strategy.multiworker" in graph and graph["tfdp.strategy.multiworker"]
+    assert _cycles(graph) == []
+
+
+def test_the_core_does_not_import_the_launcher_or_commands():
+    graph = _graph()
+    core = [m for m in graph if m.startswith(("tfdp.strategy", "tfdp.reduce", "tfdp.keras.gradient_path",
+                                              "tfdp.failures", "tfdp.compat", "tfdp.data"))]
+    for m in core:
+        bad = {d for d in graph[m] if d.startswith(("tfdp.launch", "tfdp.bench", "tfdp.train"))}
+        assert not bad, f"{m} imports {bad}"
+
+
+@pytest.mark.parametrize("module", ["tfdp", "tfdp.reduce", "tfdp.reduce.registry",
+                                    "tfdp.failures", "tfdp.launch.launcher", "tfdp.logs",
+                                    "tfdp.strategy.role"])
+def test_names_only_imports_do_not_start_tensorflow(module):
+    code = (f"import sys, {module}\n"
+            "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]

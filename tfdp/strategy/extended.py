@@ -1,0 +1,394 @@
+"""The extended both tfdp strategies share (``DataParallelExtendedBase``): the Keras step path.
+
+Everything a strategy does *inside* a step lives here, once, for the local and the multi-worker
+strategy alike:
+
+* ``all_reduce_gradients``: the one gradient reduction the gradient path
+  (``tfdp.keras.gradient_path``) calls when an optimizer applies: one batched merge_call through
+  tfdp's reducer, or replica-context collectives inside Keras's accumulation branch.
+* ``_call_for_each_replica``: each ``strategy.run`` gets a ``gradient_path.Step`` with every
+  replica's share of the global batch (``n_r / sum(n)``), empty replicas padded with one example
+  of share 0, and after a training step the BatchNorm statistics averaged (mirrored stays
+  mirrored).
+* XLA: which steps can be compiled whole (GPUs, one replica) and the one error for the others.
+* Input: datasets are wrapped so tfdp never writes into the user's numpy arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import tensorflow as tf
+
+from tfdp import compat as tfp
+from tfdp import devices as devices_lib
+from tfdp.keras import gradient_path
+from tfdp.reduce import registry
+
+
+class DataParallelExtendedBase:
+    """tfdp's part of both strategies' extended: the Keras train-step path, replica shares,
+    empty replicas, layer-state sync, replica-context collectives and input wrapping.
+
+    A mixin placed before TF's extended in the method resolution order: the local strategy's
+    ``LocalExtended(DataParallelExtendedBase, MirroredExtended)`` and the multi-worker
+    ``MultiWorkerExtended(DataParallelExtendedBase, CollectiveAllReduceExtended)``. This
+    ``__init__`` is the only one: it sets tfdp's state, then calls the subclass's
+    ``_init_tf_extended``, which runs TF's own ``__init__`` and returns tfdp's cross-device ops.
+    What differs between the two is ``_num_workers_in_job`` and ``_total_examples`` (a
+    cross-worker count).
+    """
+
+    def __init__(self, container_strategy, settings, devices, cluster):
+        self.tfdp_settings = settings          # a tfdp.strategy.settings.Settings
+        self._tfdp_requested_devices = devices  # the user's device list (None: the default)
+        self.tfdp_step = None  # a gradient_path.Step while a strategy.run is traced
+        self._tfdp_no_merge = 0  # > 0: replica-context collectives only (no merge_call)
+        self._tfdp_replica_reduce = None
+        self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
+        self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
+        self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
+        self.tfdp_xla_refusal = None  # the error refuse_xla raised (autograph wraps it)
+        self.tfdp_choice = None  # the algorithm chosen (tfdp.reduce.registry.Choice)
+        self._tfdp_reduce = self._init_tf_extended(container_strategy, cluster)
+        gradient_path.install()
+        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
+
+    def _init_tf_extended(self, container_strategy, cluster):
+        """Run TF's extended ``__init__``; set ``tfdp_choice``; return tfdp's cross-device ops."""
+        raise NotImplementedError
+
+    def _choose(self, devices):
+        self.tfdp_choice = registry.choose(
+            self.tfdp_settings.all_reduce, list(devices),
+            physical_gpus=len(tf.config.list_physical_devices("GPU")),
+            nccl_kernel=tfp.nccl_kernel_registered())
+        return self.tfdp_choice
+
+    @property
+    def tfdp_reduce(self):
+        """tfdp's cross-device ops for this strategy."""
+        return self._tfdp_reduce
+
+    def all_reduce_gradients(self, grads, densify_ok=False):
+        """SUM of every replica's ``grads`` (a flat list), called from a replica context by the
+        gradient path (``tfdp.keras.gradient_path``); an empty replica's gradients count as zero.
+
+        One batched reduction through tfdp's reducer (``merge_call``), or, inside Keras's
+        gradient-accumulation branch, replica-context collectives.
+        """
+        step = self.tfdp_step
+        masks = None if step is None else step.masks
+        self._tfdp_reduce.densify_ok = densify_ok
+        if self._tfdp_no_merge and not tf.executing_eagerly():
+            # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
+            return self._replica_reducer().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
+        if not self._use_merge_call():  # XLA on GPUs: TF's replica-context collectives
+            if masks is not None:
+                grads = gradient_path.zero_if_empty(grads, masks[tfp.current_replica_id()])
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads)
+
+        def merge(strategy, *values):
+            ops = strategy.extended._tfdp_reduce
+            values = [v if tfp.is_distributed_values(v) else tfp.PerReplica((v,))
+                      for v in values]
+            return ops.batch_reduce_weighted(tf.distribute.ReduceOp.SUM,
+                                             [(v, v) for v in values], masks)
+
+        return tf.distribute.get_replica_context().merge_call(merge, args=tuple(grads))
+
+    # --- one strategy.run: replica shares for Keras's losses, then layer-state sync ----------
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self.tfdp_step is not None:
+            # nested: a merge_call's call_for_each_replica (e.g. LossScaleOptimizer's)
+            return self._run_replicas(fn, args, kwargs)
+        replicas = len(self.worker_devices) * self._num_workers_in_job()
+        if replicas > 1 and not tf.executing_eagerly() and tfp.in_xla_context():
+            self._check_xla_possible()
+        # (one replica: Keras's 1/1 is exact and there is no copy to sync)
+        shares = self._replica_shares(args) if replicas > 1 else None
+        step = gradient_path.Step(shares)
+        if shares is not None and not tf.executing_eagerly():
+            args, step.padded = self._pad_empty_replicas(args, step.live)
+            if step.padded:
+                saved = self._read_on_read_state()
+        with gradient_path.current_step(self, step):
+            result = self._run_replicas(fn, args, kwargs)
+        if step.padded:
+            self._restore_on_read_state(saved, step.live)
+            result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
+        if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
+            self._tfdp_optimizers.update(step.optimizers)
+            self._sync_layer_state(shares, replicas)
+        return result
+
+    # --- empty replicas: one real example, share 0, nothing counted ---------------------------
+    #
+    # A global batch smaller than the replica count leaves replicas with empty batches, and TF's
+    # oneDNN kernels (the CPU default) cannot take those: graph-mode MaxPoolGrad aborts the
+    # process (tensor.cc Check failed), Conv2D returns a wrong shape (ReluGrad / BiasAdd shape
+    # errors), with or without a strategy. So in a step whose batch size is not static an empty
+    # replica gets one example (a real one from a replica that has some, else zeros), selected
+    # by a tf.cond only when it is empty; its share stays 0, so its loss and gradients are
+    # exactly zero; its replica-context all-reduce inputs (SyncBatchNorm's sums and counts) are
+    # zeroed; its metric updates (ON_READ variables: Keras metrics and loss trackers) are undone;
+    # and its per-example outputs (predict) are cut back to 0 rows.
+
+    def _components(self, leaf, dynamic_only=True):
+        """The local replicas' tensors of a batched value (rank >= 1; with ``dynamic_only``, of
+        unknown batch size), else None. With one device per process values are plain tensors."""
+        if tfp.is_distributed_values(leaf):
+            comps = list(leaf.values)
+        elif isinstance(leaf, tf.Tensor) and len(self.worker_devices) == 1:
+            comps = [leaf]
+        else:
+            return None
+        if len(comps) != len(self.worker_devices) or not all(
+                isinstance(c, tf.Tensor) and c.shape.rank
+                and (c.shape[0] is None or not dynamic_only) for c in comps):
+            return None
+        return comps
+
+    def _regroup(self, leaf, comps):
+        return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
+
+    def _per_replica_select(self, leaf, live, if_empty):
+        """``leaf`` with replica r's component replaced by ``if_empty(c)`` where it is empty
+        (a tf.cond per replica; None when ``leaf`` is not a dynamic-size batch)."""
+        comps = self._components(leaf)
+        if comps is None:
+            return None
+        out = []
+        for c, ok, d in zip(comps, live, self.worker_devices):
+            with tf.device(d):
+                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: if_empty(c, comps)))
+        return self._regroup(leaf, out)
+
+    def _pad_empty_replicas(self, args, live):
+        """``args`` with empty replicas given one example, and whether any input could be."""
+        padded = []
+
+        def donor(c, comps):  # one real example from a replica that has some, else zeros
+            rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], tf.shape(c)[1:]], 0),
+                                                      c.dtype)]
+            return tf.concat(rows, 0)[:1]
+
+        def pad(leaf):
+            out = self._per_replica_select(leaf, live, donor)
+            if out is None:
+                return leaf
+            padded.append(leaf)
+            return out
+
+        return tf.nest.map_structure(pad, args), bool(padded)
+
+    def _read_on_read_state(self):
+        saved = []
+        for ref in self._tfdp_on_read_vars:
+            v = ref()
+            if v is not None:
+                vals = []
+                for c in v.values:
+                    with tf.device(c.device):
+                        vals.append(c.read_value())
+                saved.append((v, vals))
+        return saved
+
+    def _restore_on_read_state(self, saved, live):
+        for v, vals in saved:
+            for c, old, ok in zip(v.values, vals, live):
+                with tf.device(c.device):
+                    c.assign(tf.where(ok, c.read_value(), old))
+
+    def _trim_padded(self, leaf, live):
+        out = self._per_replica_select(leaf, live, lambda c, _: c[:0])
+        return leaf if out is None else out
+
+    def whole_step_xla_possible(self) -> bool:
+        """Whether XLA can compile a whole step with its collectives: one replica, or GPUs."""
+        replicas = len(self.worker_devices) * self._num_workers_in_job()
+        return replicas == 1 or all(devices_lib.is_gpu(d) for d in self.worker_devices)
+
+    def refuse_xla(self, what):
+        from tfdp.errors import TfdpError, message
+        devices = [devices_lib.short_name(d) for d in self.worker_devices]
+        self.tfdp_xla_refusal = TfdpError(message(
+            f"jit_compile=True cannot run here: XLA cannot compile collective ops for CPU "
+            f"devices (TensorFlow: 'Collectives are not yet implemented for CPU devices when "
+            f"compiling with XLA'), and {what} needs one inside the compiled step",
+            f"jit_compile=True with {len(devices) * self._num_workers_in_job()} replicas on "
+            f"{devices}",
+            "Fix: compile with jit_compile=False, or leave Keras's default jit_compile='auto' "
+            "(it resolves to False here); with Keras's own train_step, plain BatchNorm and no "
+            "wrapping tf.function, tfdp compiles each replica's step."))
+        raise self.tfdp_xla_refusal
+
+    def _refuse_all_reduce_in_xla(self):
+        if self.tfdp_step is not None and self.tfdp_step.deferred:
+            self.refuse_xla("a replica-context all-reduce in the step (e.g. "
+                            "BatchNormalization(synchronized=True))")
+
+    def _check_xla_possible(self):
+        """A whole strategy.run inside one XLA function: possible on GPUs only."""
+        if not self.whole_step_xla_possible():
+            self.refuse_xla("a tf.function(jit_compile=True) around strategy.run (tfdp "
+                            "compiles each replica's step only for Keras's compile(jit_compile="
+                            "True))")
+
+    def _run_replicas(self, fn, args, kwargs):
+        return tfp.MirroredExtended._call_for_each_replica(self, fn, args, kwargs)  # TF's
+
+    def _num_workers_in_job(self) -> int:
+        raise NotImplementedError
+
+    def _replica_shares(self, args):
+        """n_r / sum(n): replica r's share of the global batch (its first batched input; the
+        sum over every replica of the job, ``_total_examples``)."""
+        for leaf in tf.nest.flatten(args):
+            comps = self._components(leaf, dynamic_only=False)
+            if comps is None:
+                continue
+            sizes = []
+            for c, d in zip(comps, self.worker_devices):
+                with tf.device(d):
+                    sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
+            total = self._total_examples(tf.math.add_n(sizes))
+            return [tf.math.divide_no_nan(s, total) for s in sizes]
+        return None
+
+    def _total_examples(self, local_total):
+        return local_total
+
+    # --- replica-context collectives (gradient accumulation) ---------------------------------
+
+    @contextlib.contextmanager
+    def replica_collectives(self):
+        """Reduce from the replica contexts (no merge_call) while inside: Keras's accumulation
+        all-reduces inside a tf.cond, where merge_call is refused."""
+        self._tfdp_no_merge += 1
+        try:
+            yield
+        finally:
+            self._tfdp_no_merge -= 1
+
+    def _use_merge_call(self):
+        if self._tfdp_no_merge or (self.tfdp_step is not None and self.tfdp_step.deferred):
+            return False  # (inside an XLA-compiled replica step: no merge_call can run there)
+        return super()._use_merge_call()
+
+    def _get_cross_device_ops(self, value):
+        if self._tfdp_no_merge:  # (MirroredExtended would switch to its XLA collectives here)
+            return self._tfdp_reduce
+        return super()._get_cross_device_ops(value)
+
+    def _replica_reducer(self):
+        if self._tfdp_replica_reduce is None:
+            from tfdp.reduce.collective import ReplicaAllReduce
+            ops = self._tfdp_reduce
+            self._tfdp_replica_reduce = ReplicaAllReduce(
+                self.worker_devices, self._num_workers_in_job(), ops.bucket_bytes,
+                ops.compression, getattr(ops, "timeout_seconds", 0.0))
+        return self._tfdp_replica_reduce
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        self._refuse_all_reduce_in_xla()
+        if not self._tfdp_no_merge or tf.executing_eagerly():
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        replica_id = tfp.current_replica_id()
+        flat = tf.nest.flatten(value)
+        reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    # --- mirrored means mirrored: layer state ------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        v = super()._create_variable(next_creator, **kwargs)
+        if (tfp.is_distributed_values(v) and v.dtype.is_floating and not v.trainable
+                and v.aggregation == tf.VariableAggregation.NONE):
+            self._tfdp_state_vars.append(weakref.ref(v))
+        if (tfp.is_distributed_values(v)
+                and v.synchronization == tf.VariableSynchronization.ON_READ):
+            self._tfdp_on_read_vars.append(weakref.ref(v))
+        return v
+
+    def _sync_layer_state(self, shares, replicas):
+        """Average float non-trainable variables with aggregation NONE across replicas.
+
+        Such variables (BatchNorm moving statistics) are updated by each replica with its own
+        batch statistics, so MirroredStrategy lets their copies drift apart. After every
+        training step (a step in which an optimizer applied gradients) tfdp replaces every copy
+        by the batch-share-weighted mean of the copies (for a moving mean that is exactly the
+        update with the global batch mean). Optimizer variables are left alone (every replica
+        updates them identically). Ordered after the step's updates by TF's automatic control
+        dependencies on the same resources.
+        """
+        skip = set()
+        for opt in self._tfdp_optimizers:
+            for o in (opt, getattr(opt, "inner_optimizer", None)):
+                for v in getattr(o, "variables", None) or ():
+                    skip.add(id(getattr(v, "value", v)))
+        alive = [r() for r in self._tfdp_state_vars]
+        self._tfdp_state_vars = [r for r, v in zip(self._tfdp_state_vars, alive) if v is not None]
+        targets = [v for v in alive if v is not None and id(v) not in skip]
+        if not targets:
+            return
+        pairs = []
+        for tv in targets:
+            comps = []
+            for c in tv.values:
+                with tf.device(c.device):
+                    comps.append(c.read_value())
+            pairs.append((tfp.PerReplica(tuple(comps)), tv))
+        weights = None if shares is None else [s * float(replicas) for s in shares]
+        means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
+        for tv, mean in zip(targets, means):
+            for c, m in zip(tv.values, self._local_results(mean)):
+                with tf.device(c.device):
+                    c.assign(m)
+
+    # --- input: never write into the user's numpy arrays -------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        # A Python-function source (Keras's PyDataset / generator adapters) hands numpy memory
+        # to TF zero-copy, and the per-replica rebatch makes it writable (tfdp.data._no_alias).
+        from tfdp.data._no_alias import no_numpy_alias
+        return super()._experimental_distribute_dataset(no_numpy_alias(dataset), options)
+
+    # --- destinations ------------------------------------------------------------------------
+
+    def _fill_destinations(self, value, destinations):
+        # A one-device replica-context all_reduce passes a tensor whose device string is empty:
+        # MirroredStrategy then fails with "destinations can not be empty". Use the value's
+        # devices (or the single replica device) instead.
+        if tfp.has_destinations(destinations):
+            return destinations
+        if tfp.is_distributed_values(value):
+            return value
+        if len(self.worker_devices) == 1:
+            return self.worker_devices[0]
+        return destinations
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return super()._reduce_to(reduce_op, value, self._fill_destinations(value, destinations),
+                                  options)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        value_destination_pairs = [(v, self._fill_destinations(v, d))
+                                   for v, d in value_destination_pairs]
+        step = self.tfdp_step
+        if (step is not None and step.padded and step.masks is not None
+                and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
+                == tf.distribute.ReduceOp.SUM):
+            # a replica-context all-reduce (SyncBatchNorm's sums and counts) in a step with a
+            # padded replica: that replica adds nothing
+            pairs = [(v if tfp.is_distributed_values(v) else tfp.PerReplica((v,)), d)
+                     for v, d in value_destination_pairs]
+            return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, step.masks)
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+
+__all__ = ["DataParallelExtendedBase"]

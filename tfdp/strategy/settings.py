@@ -1,0 +1,43 @@
+"""The keyword arguments both tfdp strategies accept, validated once at construction.
+
+``DataParallelStrategy`` and ``MultiWorkerDataParallelStrategy`` take the same arguments: the
+reduction's (``all_reduce``, ``bucket_bytes``, ``compression``, ``sparse``) and the failure
+detection's (``collective_timeout``, ``heartbeat_timeout``; they take effect across workers and
+are validated, then unused, in a single process). Each is resolved argument > environment
+variable > default (``TFDP_SPARSE``, ``TFDP_COLLECTIVE_TIMEOUT``, ``TFDP_HEARTBEAT_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfdp import failures
+from tfdp.reduce import registry
+from tfdp.reduce import sparse as sparse_lib
+
+
+@dataclass(frozen=True)
+class Settings:
+    all_reduce: str                  # the requested algorithm ("auto", "fused", ...)
+    bucket_bytes: int | None         # None: the measured default
+    compression: str | None          # None, "fp16" or "bf16"
+    sparse: str                      # "auto", "gather" or "densify"
+    collective_timeout: float | None  # seconds; None: off
+    heartbeat_timeout: float         # seconds
+
+    @classmethod
+    def from_arguments(cls, *, all_reduce="auto", bucket_bytes=None, compression=None,
+                       sparse=None, collective_timeout=None, heartbeat_timeout=None):
+        return cls(
+            all_reduce=registry.validate_algorithm(all_reduce),
+            bucket_bytes=registry.validate_bucket_bytes(bucket_bytes),
+            compression=registry.validate_compression(compression),
+            sparse=sparse_lib.resolve_mode(sparse),
+            collective_timeout=failures.seconds_setting(
+                collective_timeout, "collective_timeout", failures.COLLECTIVE_TIMEOUT_ENV, None),
+            heartbeat_timeout=failures.seconds_setting(
+                heartbeat_timeout, "heartbeat_timeout", failures.HEARTBEAT_TIMEOUT_ENV,
+                failures.DEFAULT_HEARTBEAT_TIMEOUT, off_ok=False))
+
+
+__all__ = ["Settings"]
