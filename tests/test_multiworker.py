@@ -251,6 +251,11 @@ import tensorflow as tf
 from tfdp.testing import emit_result
 SHAPES = [(3,), (5, 4), (300000,)]  # the last is above bucket_bytes: packed only when compressed
 rank = strategy.cluster.rank
+# the same call gives the multi-worker strategy, and it is a DataParallelStrategy too
+assert isinstance(strategy, tfdp.DataParallelStrategy), type(strategy)
+assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), type(strategy)
+assert (strategy.num_workers, strategy.worker_index) == (2, rank), strategy
+assert strategy.is_chief == (rank == 0) and tfdp.strategy.worker_role(strategy).count == 2
 
 def make(ctx):
     g = ctx.replica_id_in_sync_group  # this replica's global index (0..3)
