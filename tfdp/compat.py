@@ -469,3 +469,42 @@ class KerasEpochIterator:
             self.target._interrupted_warning = lambda *a, **k: None  # noqa: E731
         else:
             self.target.__dict__.pop("_interrupted_warning", None)
+
+
+_KERAS_BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                       "_prev_training_metadata_path")
+
+
+@contextlib.contextmanager
+def keras_backup_and_restore_writing_to(callback, directory):
+    """Point a ``keras.callbacks.BackupAndRestore``'s files (``backup_dir`` and the paths its
+    ``__init__`` derived from it) into ``directory`` for the duration."""
+    import os
+    saved = {n: getattr(callback, n) for n in _KERAS_BACKUP_PATHS}
+    saved_dir = callback.backup_dir
+    try:
+        callback.backup_dir = directory
+        for name, path in saved.items():
+            setattr(callback, name, os.path.join(directory, os.path.basename(path)))
+        yield
+    finally:
+        callback.backup_dir = saved_dir
+        for name, path in saved.items():
+            setattr(callback, name, path)
+
+
+@contextlib.contextmanager
+def keras_model_checkpoint_writing_to(callback, directory):
+    """Make a ``keras.callbacks.ModelCheckpoint`` save into ``directory`` (same file names) for
+    the duration (an instance attribute shadowing its ``_get_file_path``)."""
+    import os
+    original = type(callback)._get_file_path
+
+    def get_file_path(epoch, batch, logs):
+        return os.path.join(directory, os.path.basename(original(callback, epoch, batch, logs)))
+
+    callback._get_file_path = get_file_path
+    try:
+        yield
+    finally:
+        callback.__dict__.pop("_get_file_path", None)

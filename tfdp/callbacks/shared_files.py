@@ -1,14 +1,120 @@
-"""Keras's own file-writing callbacks across workers (stub: filled in by the callbacks work).
+"""Keras's own file-writing callbacks across workers: only the chief writes the shared files.
 
-``install(strategy)`` is called by every multi-worker tfdp strategy when it is created.
+TF's multi-worker Keras tutorial passes ``keras.callbacks.BackupAndRestore(backup_dir)`` and
+``keras.callbacks.ModelCheckpoint(filepath)`` with one directory for all workers (a shared file
+system). Keras 3's callbacks know nothing of workers: every worker writes the same files at the
+same moment, and the run dies with ``BlockingIOError: unable to lock file`` (h5py) or
+``FileExistsError``, and at the end every worker deletes the backup directory (the same happens
+under ``tf.distribute.MultiWorkerMirroredStrategy``).
+
+``install(strategy)`` (called by every multi-worker tfdp strategy when it is created; idempotent;
+nothing happens with one worker) wraps where those callbacks write
+(``tfdp/compat.py`` lists the Keras internals):
+
+* ``BackupAndRestore`` and ``ModelCheckpoint``: a worker that is not the chief still runs the
+  whole save (the same code on every worker keeps any collective a save may run in step), but
+  into a private temporary directory that is removed right after; the chief writes the shared
+  files. Reading is untouched: at ``on_train_begin`` every worker restores from the shared
+  backup, so a restarted job resumes as Keras documents it (the interrupted epoch starts again
+  from the last backup). Only the chief deletes the backup directory at the end of training.
+* ``CSVLogger``: a worker that is not the chief logs to ``os.devnull``.
+
+Which worker is the chief comes from ``tfdp.strategy.worker_role`` of the callback's model's
+strategy at the moment it writes (``MultiWorkerMirroredStrategy`` included, once a multi-worker
+tfdp strategy installed the hooks in the process). Single-worker runs are never affected.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import threading
+
+from tfdp import compat
+from tfdp.strategy.role import worker_role
+
+_lock = threading.Lock()
+_installed = False
+
+
+def _role(callback):
+    model = getattr(callback, "model", None)
+    return worker_role(getattr(model, "distribute_strategy", None))
+
+
+def _private_dir(role) -> str:
+    return tempfile.mkdtemp(prefix=f"tfdp-worker{role.index}-keras-")
+
+
+def _backup_save(original):
+    def _save_model(self, *args, **kwargs):
+        role = _role(self)
+        if role.count == 1 or role.is_chief:
+            return original(self, *args, **kwargs)
+        tmp = _private_dir(role)
+        try:
+            with compat.keras_backup_and_restore_writing_to(self, tmp):
+                return original(self, *args, **kwargs)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _save_model
+
+
+def _backup_train_end(original):
+    def on_train_end(self, logs=None):
+        role = _role(self)
+        if role.count == 1 or role.is_chief:
+            return original(self, logs)
+        return None  # the chief deletes the shared backup directory
+    return on_train_end
+
+
+def _checkpoint_save(original):
+    def _save_model(self, *args, **kwargs):
+        role = _role(self)
+        if role.count == 1 or role.is_chief:
+            return original(self, *args, **kwargs)
+        tmp = _private_dir(role)
+        try:
+            with compat.keras_model_checkpoint_writing_to(self, tmp):
+                return original(self, *args, **kwargs)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _save_model
+
+
+def _csv_train_begin(original):
+    def on_train_begin(self, logs=None):
+        role = _role(self)
+        if role.count == 1 or role.is_chief:
+            return original(self, logs)
+        filename = self.filename
+        self.filename = os.devnull
+        try:
+            return original(self, logs)
+        finally:
+            self.filename = filename
+    return on_train_begin
+
 
 def install(strategy) -> None:
-    """Make Keras's file-writing callbacks safe under ``strategy`` (idempotent)."""
-    del strategy
+    """Make Keras's file-writing callbacks safe under ``strategy`` (idempotent; only when
+    ``strategy`` has several workers)."""
+    global _installed
+    if worker_role(strategy).count < 2:
+        return
+    with _lock:
+        if not _installed:
+            compat.wrap_keras_callbacks({"backup_save": _backup_save,
+                                         "backup_train_end": _backup_train_end,
+                                         "checkpoint_save": _checkpoint_save,
+                                         "csv_train_begin": _csv_train_begin})
+            _installed = True
 
 
-__all__ = ["install"]
+def installed() -> bool:
+    return _installed
+
+
+__all__ = ["install", "installed"]
