@@ -62,9 +62,10 @@ callbacks = [keras.callbacks.BackupAndRestore(backup_dir=backup_dir),
              count]
 if first_attempt and rank == 1 and os.environ.get("KILL_AT"):
     callbacks.append(KillAt())
-before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tfdp-worker*")))
+mine = os.path.join(tempfile.gettempdir(), f"tfdp-worker{rank}-*")  # this worker's private dirs
+before = set(glob.glob(mine))
 m, hist = fit(callbacks, seed=1 if first_attempt else 5)
-leftover = sorted(set(glob.glob(os.path.join(tempfile.gettempdir(), "tfdp-worker*"))) - before)
+leftover = sorted(set(glob.glob(mine)) - before)
 ref, ref_hist = fit([])                           # uninterrupted, no callbacks
 diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
            for a, b in zip(m.get_weights(), ref.get_weights()))
