@@ -140,6 +140,47 @@ def test_too_late_for_the_cpu_split_is_one_clear_line(when, needles):
 
 
 @pytest.mark.timeout(200)
+def test_an_explicit_configure_call_wins_over_the_variable_and_says_so():
+    """Arguments > environment: the program's own configure_cpu_replicas(4) beats
+    TFDP_CPU_REPLICAS=2 (already applied at import), with one log line naming both."""
+    r = _run("""
+        import tfdp
+        import tensorflow as tf
+        tfdp.configure_cpu_replicas(4)
+        ds = tf.data.Dataset.range(8).batch(4)          # the runtime starts after the call
+        print("REPLICAS", tfdp.DataParallelStrategy().num_replicas_in_sync)
+        print("EXPLICIT", tfdp.DataParallelStrategy(["CPU:0", "CPU:3"]).num_replicas_in_sync)
+    """, {"TFDP_CPU_REPLICAS": "2"})
+    assert _lines(r, "REPLICAS") == ["4"] and _lines(r, "EXPLICIT") == ["2"], r.stdout + r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "overrides TFDP_CPU_REPLICAS" in ln]
+    assert len(said) == 1, r.stderr
+    assert "configure_cpu_replicas(4) overrides TFDP_CPU_REPLICAS=2" in said[0]
+    assert "an explicit call wins over the environment" in said[0]
+
+
+@pytest.mark.timeout(200)
+def test_an_explicit_call_after_the_runtime_started_with_the_variable_is_one_clear_line():
+    r = _run("""
+        import tfdp
+        import tensorflow as tf
+        tf.constant(1.0) + 1                            # the runtime starts with 2 devices
+        try:
+            tfdp.configure_cpu_replicas(4)
+        except ValueError as e:
+            print("ERR", repr(str(e)))
+        print("REPLICAS", tfdp.DataParallelStrategy().num_replicas_in_sync)
+    """, {"TFDP_CPU_REPLICAS": "2"})
+    (err,) = _lines(r, "ERR") or [r.stdout + r.stderr[-3000:]]
+    msg = eval(err)  # noqa: S307  (repr of a str printed by the child)
+    assert "\n" not in msg
+    for needle in ("configure_cpu_replicas(4) came too late to override TFDP_CPU_REPLICAS=2",
+                   "applied when tfdp was imported", "Received: n=4, TFDP_CPU_REPLICAS=2",
+                   "before any TensorFlow op"):
+        assert needle in msg, msg
+    assert _lines(r, "REPLICAS") == ["2"], r.stdout + r.stderr   # the variable's count stands
+
+
+@pytest.mark.timeout(200)
 def test_port_in_use_is_clear_also_when_a_dataset_comes_first():
     """The runtime started before the strategy: the worker's port is still checked first."""
     import json
