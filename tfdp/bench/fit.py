@@ -242,7 +242,7 @@ def trace_note() -> str:
 
 
 def _trace(contenders, dataset, trace_dir, trace_steps, progress):
-    """Profile ``trace_steps`` steady steps of each contender; their timelines (tfdp.bench.trace)."""
+    """Profile ``trace_steps`` steady steps of each contender: their timelines (bench.trace)."""
     from tfdp.bench import trace
     out = []
     for c in contenders:

@@ -21,7 +21,8 @@ reported as skipped):
 
 Without a GPU it prints one line saying so and exits 0. ``--cpu-dry-run`` runs the same sections
 on 2 logical CPU devices with tiny sizes (a 2-block residual stand-in for ResNet-50, whose
-XLA compilation takes minutes on CPU, on 32x32 images, batch 4; 64-256 KiB all-reduces): the code paths, not the figures, which is what tests check here.
+XLA compilation takes minutes on CPU, on 32x32 images, batch 4; 64-256 KiB all-reduces): the
+code paths, not the figures, which is what tests check here.
 """
 
 from __future__ import annotations
@@ -286,8 +287,8 @@ def section_resnet50(env, budget, dry_run):
                              + f" ({time.monotonic() - t0:.0f} s)"])
     finally:
         keras.mixed_precision.set_global_policy(policy)
-    shape = (f"{size['model']}, batch {size['batch']} of {size['image']}x{size['image']}x3, {size['classes']} "
-             f"classes, mixed_float16, channels-last, 1 {env['kind'].upper()}")
+    shape = (f"{size['model']}, batch {size['batch']} of {size['image']}x{size['image']}x3, "
+             f"{size['classes']} classes, mixed_float16, channels-last, 1 {env['kind'].upper()}")
     rows.insert(0, ["resnet50", "workload", shape, f"median of {size['steps']} steady steps"])
     return rows
 

@@ -15,12 +15,12 @@ This module imports no other module of :mod:`tfdp.bench` and never imports Tenso
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
 
 from tfdp.errors import TfdpError, UsageError
+from tfdp.reduce.registry import ALGORITHMS
 
 
 class BenchParser(argparse.ArgumentParser):
@@ -105,26 +105,8 @@ def quiet_tensorflow() -> None:
 
 
 def all_reduce_names() -> tuple[str, ...]:
-    """DataParallelStrategy's ``all_reduce`` names: the keys of ``tfdp.reduce.registry.ALGORITHMS``.
-
-    Usage errors must come before TensorFlow starts, and ``import tfdp.reduce.registry`` still
-    starts it today (``tfdp/reduce/__init__.py`` imports ``local.py``). So unless the registry is
-    already imported, its ``ALGORITHMS`` literal is read from ``registry.py``'s source: one
-    source of truth, no copy of the names (``tests/test_bench_cli.py`` checks both ways agree).
-    """
-    registry = sys.modules.get("tfdp.reduce.registry")
-    if registry is not None:
-        return tuple(registry.ALGORITHMS)
-    import tfdp
-    path = os.path.join(os.path.dirname(tfdp.__file__), "reduce", "registry.py")
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(t, ast.Name) and t.id == "ALGORITHMS" for t in targets):
-            return tuple(ast.literal_eval(node.value))
-    from tfdp.reduce.registry import ALGORITHMS  # not a literal any more: import it
+    """DataParallelStrategy's ``all_reduce`` names: ``tfdp.reduce.registry.ALGORITHMS``'s keys
+    (importing the registry starts no TensorFlow, so usage errors stay fast and quiet)."""
     return tuple(ALGORITHMS)
 
 

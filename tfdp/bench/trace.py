@@ -244,7 +244,7 @@ def step_timeline(trace: dict) -> list[dict]:
     for s in trace["steps"]:
         lo, hi = s["start_ns"], s["end_ns"]
 
-        def clipped(pred):
+        def clipped(pred, lo=lo, hi=hi):
             return _union([(max(e["start_ns"], lo), min(e["end_ns"], hi))
                            for e in trace["events"]
                            if pred(e) and e["end_ns"] > lo and e["start_ns"] < hi])
@@ -352,7 +352,8 @@ def parse_table(text: str) -> list[dict]:
 
 
 def slug(name: str) -> str:
-    """A directory name for a contender: 'MS CollectiveAllReduce(RING)' -> 'ms_collectiveallreduce_ring'."""
+    """A directory name for a contender: 'MS CollectiveAllReduce(RING)' ->
+    'ms_collectiveallreduce_ring'."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "run"
 
 

@@ -384,7 +384,7 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
     algorithms = [algorithms] if isinstance(algorithms, str) else list(algorithms)
     bad = [a for a in algorithms if a not in _common.BENCH_ALGORITHMS]
     if bad or not algorithms:
-        raise invalid_argument("algorithms", algorithms, valid=BENCH_ALGORITHMS)
+        raise invalid_argument("algorithms", algorithms, valid=_common.BENCH_ALGORITHMS)
     bucket_bytes = [bucket_bytes] if bucket_bytes is None or isinstance(bucket_bytes, int) \
         else list(bucket_bytes)
     compressions = ([] if isinstance(compression, (list, tuple)) and not compression
