@@ -330,6 +330,7 @@ def test_worker0_mode_shows_the_failed_workers_tail_and_log(tmp_path):
         if {RANK} == 1:
             for i in range(50):
                 print("line", i)
+            time.sleep(0.5)  # two pipes: let stdout's lines arrive first
             print("Traceback: boom", file=sys.stderr)
             sys.exit(4)
         print("worker 0 waits"); sys.stdout.flush()
@@ -402,6 +403,10 @@ def test_cli_default_and_all_output(tmp_path):
     if cli.DEFAULT_OUTPUT == "worker0":
         assert res.stdout == "[worker 0] hi 0\n"
     assert (tmp_path / "logs" / "worker-1.log").read_text() == "hi 1\n"
+    res = run_cli("--output", "worker0", "--workers", "2", "--", *cmd)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "[worker 0] hi 0\n"
+    assert "worker 0's output follows" in res.stderr
     env = base_env()
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     res = run_cli("--all-output", "--workers", "2", "--", *cmd, env=env)
@@ -414,7 +419,7 @@ def test_cli_default_and_all_output(tmp_path):
 def test_cli_help_covers_output_and_nodes():
     res = run_cli("--help")
     assert res.returncode == 0
-    for flag in ("--all-output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
+    for flag in ("--output", "--all-output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
                  "--coordinator", "--workers-per-node", "--join-timeout", "--node-timeout",
                  "--slurm", "listens on every interface", "prints the addresses it will listen on"):
         assert flag in " ".join(res.stdout.split()), flag

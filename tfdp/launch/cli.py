@@ -14,15 +14,25 @@ from tfdp.launch.multinode import DEFAULT_JOIN_TIMEOUT, DEFAULT_NODE_TIMEOUT, la
 # "all" (every worker, line by line, prefixed: --all-output).
 DEFAULT_OUTPUT = "all"
 
+_OUTPUT_HELP = {
+    "worker0": """\
+Output: worker 0's output is shown live (its progress bar too) and every worker's output goes
+to a log file (DIR/worker-<i>.log, named at the start and the end); when a worker fails, its
+last lines and its log file are shown. --all-output shows every worker's lines instead, each
+prefixed with '[worker i] '.""",
+    "all": """\
+Output: every worker's lines, each prefixed with '[worker i] ' (--all-output, the default).
+--output worker0 shows worker 0's output live (its progress bar too) and writes every worker's
+output to a log file (DIR/worker-<i>.log, named at the start and the end); when a worker fails,
+its last lines and its log file are shown.""",
+}
+
 DESCRIPTION = """\
 Start N local worker processes running CMD, each with TF_CONFIG describing an N-worker cluster
 on free 127.0.0.1 ports (not set for --workers 1), plus TFDP_WORKER_RANK, TFDP_LOCAL_RANK,
 TFDP_NUM_WORKERS, TFDP_RESTART_COUNT and PYTHONUNBUFFERED=1.
 
-Output: worker 0's output is shown live (its progress bar too) and every worker's output goes
-to a log file (DIR/worker-<i>.log, named at the start and the end); when a worker fails, its
-last lines and its log file are shown. --all-output shows every worker's lines instead, each
-prefixed with '[worker i] '. TensorFlow's C++ INFO/WARNING logs are hidden
+""" + _OUTPUT_HELP[DEFAULT_OUTPUT] + """ TensorFlow's C++ INFO/WARNING logs are hidden
 (TF_CPP_MIN_LOG_LEVEL=2 for the workers) unless you set TF_CPP_MIN_LOG_LEVEL or pass --verbose;
 errors always show.
 
@@ -94,13 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "network they share (default: node 0 the coordinator's host, the "
                         "others the address they reach it from)")
     out = p.add_argument_group("output")
+    out.add_argument("--output", choices=("worker0", "all"), default=DEFAULT_OUTPUT,
+                     help="worker0: worker 0's output live, every worker's in its log file; "
+                          "all: every worker's lines, prefixed (default: "
+                          f"{DEFAULT_OUTPUT})")
     out.add_argument("--all-output", action="store_true",
                      help="show every worker's output, line by line, prefixed with "
-                          "'[worker i] ' (default: worker 0's live, the others in log files)")
+                          "'[worker i] ' (the same as --output all)")
     out.add_argument("--log-dir", metavar="DIR",
-                     help="write worker i's output to DIR/worker-<i>.log (default: a new "
-                          "tfdp-launch-* directory in the temporary directory; none with "
-                          "--all-output)")
+                     help="write worker i's output to DIR/worker-<i>.log (default with "
+                          "--output worker0: a new tfdp-launch-* directory in the temporary "
+                          "directory; none with --all-output)")
     out.add_argument("--verbose", action="store_true",
                      help="keep TensorFlow's C++ INFO/WARNING logs (default: hidden unless "
                           "TF_CPP_MIN_LOG_LEVEL is set)")
@@ -150,7 +164,7 @@ def main(argv: list[str], environ=None) -> int:
         build_parser().print_help()
         return 0
     environ = os.environ if environ is None else environ
-    output = "all" if args.all_output else DEFAULT_OUTPUT
+    output = "all" if args.all_output else args.output
     common = dict(cpu_replicas=args.cpu_replicas, gpus_per_worker=args.gpus_per_worker,
                   timeout=args.timeout, output=output, log_dir=args.log_dir)
     if args.slurm:
