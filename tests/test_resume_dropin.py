@@ -270,3 +270,57 @@ def test_two_workers_killed_worker_restarted_by_launcher(tmp_path, kind, kill_ra
     assert all(r["diff"] <= TOL for r in results), results
     assert all(r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6) for r in results), results
     assert not (tmp_path / "backup").exists()
+
+
+# --- the position API ----------------------------------------------------------------------------
+
+def test_position_api_save_now_and_order_check(strategy, tmp_path):
+    import keras
+    from tfdp.callbacks import BackupAndRestore, Position
+    from tfdp.errors import TfdpError
+    d = str(tmp_path / "b")
+    backup = BackupAndRestore(d, save_freq=100)       # no periodic backup after the first
+    assert backup.restore_point is None and backup.position == Position(0, 0, 0)
+    seen = {}
+
+    class SaveAt(keras.callbacks.Callback):
+        count = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.count += 1
+            if self.count == 7:
+                seen["wrote"] = backup.save_now("test", batch=batch, logs=logs)
+                seen["again"] = backup.save_now("test", batch=batch, logs=logs)
+                seen["position"] = backup.position
+                raise Interrupt("stop")
+
+    with pytest.raises(Interrupt):
+        run(strategy, "shuffled", [backup, SaveAt()])
+    assert seen == {"wrote": True, "again": False, "position": Position(1, 2, 7)}
+    assert backup.restore_point == Position(1, 2, 7)
+    resumed = BackupAndRestore(d, save_freq=100)
+    assert resumed.position == resumed.restore_point == Position(1, 2, 7)
+    m, _ = run(strategy, "shuffled", [resumed], model_seed=5)
+    assert max_diff(state(m), reference(strategy, "shuffled")[0]) <= TOL
+
+    early = BackupAndRestore(str(tmp_path / "c"), save_freq=100)
+
+    class TooEarly(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            early.save_now("TooEarly", batch=batch, logs=logs)
+
+    with pytest.raises(TfdpError, match="TooEarly runs before its BackupAndRestore"):
+        run(strategy, "dataset", [TooEarly(), early])
+
+
+def test_position_input_false_leaves_the_input_alone(strategy, tmp_path):
+    """position_input=False: fit's data is the caller's business (here not positioned at all:
+    epoch 0 runs all its batches again after the 3 restored steps)."""
+    from tfdp.callbacks import BackupAndRestore
+    d = str(tmp_path / "b")
+    with pytest.raises(Interrupt):
+        run(strategy, "dataset", [BackupAndRestore(d, save_freq=1), kill_at(3)])
+    b = BackupAndRestore(d, save_freq=1, position_input=False)
+    assert (b.initial_epoch, b.start_step) == (0, 3)
+    m, _ = run(strategy, "dataset", [b], model_seed=5)
+    assert b.restored and int(np.asarray(m.optimizer.iterations)) == 3 + EPOCHS * (N // BATCH)

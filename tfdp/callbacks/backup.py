@@ -242,6 +242,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         (global steps, counted across epochs and restarts).
       delete_checkpoint: delete the backup when training finishes successfully (as Keras). A
         failed run (an exception, :class:`NaNGuard` giving up) never deletes it.
+      position_input: in ``model.fit(data, callbacks=[backup])``, put fit's input back at the
+        backed-up step on restore (default). False: leave the input alone (your pipeline
+        starts at ``backup.initial_epoch`` / ``backup.start_step`` itself).
 
     Use in ``model.fit(data, epochs=E, callbacks=[backup])`` restores the model, the optimizer
     and the epoch's running metrics at ``on_train_begin``, skips to ``backup.initial_epoch`` and
@@ -255,7 +258,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     ``start_step`` (training steps already done in that epoch), ``global_step``.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True,
+                 position_input: bool = True):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise invalid_argument("backup_dir", backup_dir, fix="Pass a directory path.")
@@ -263,6 +267,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         check_backup_dir(self.backup_dir)
         self.save_freq = _check_save_freq(save_freq)
         self.delete_checkpoint = bool(delete_checkpoint)
+        self.position_input = bool(position_input)
         self.failed = False          # set by NaNGuard (or you): the backup is never deleted
         self.saves_written = 0       # files written by this process (0 on non-chief workers)
         self.restored = False        # this process loaded a backup into the model
@@ -375,7 +380,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         metric_arrays = [np.asarray(v) for v in self._metric_variables()]
         next_read, self._next_read = self._next_read_now(), None
         if next_read is not None:  # which fit it belongs to: a fit of as many epochs
-            next_read = dict(next_read, epochs=(self.params or {}).get("epochs"))
+            next_read = dict(next_read, epochs=(self.params or {}).get("epochs"),
+                             steps=(self.params or {}).get("steps"))
         if not _is_chief(self._strategy()):
             return False
         model_vars, opt_vars = _variables(self.model)
@@ -535,15 +541,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         where = f"epoch {epoch} step {step} (global step {meta['global_step']})"
         saved_input = meta.get("input")
         tracker = self._input
-        if saved_input is not None and saved_input.get("epochs") != (self.params or {}).get(
-                "epochs"):
+        if not self.position_input:
+            return  # the caller's pipeline starts at the backed-up step
+        params = self.params or {}
+        if saved_input is not None and (saved_input.get("epochs"), saved_input.get("steps")) \
+                != (params.get("epochs"), params.get("steps")):
             # written by another fit call (e.g. one fit per epoch on data the caller positions
             # itself): its input position says nothing about this fit's data
             if step:
                 log.warning("tfdp BackupAndRestore: resumed at %s, but the backup was written "
-                            "by a fit of %s epochs and this fit has %s: fit's input is not "
-                            "positioned (pass data that starts at step %d, or use backup.fit)",
-                            where, saved_input.get("epochs"), (self.params or {}).get("epochs"),
+                            "by a fit of %s epochs x %s steps and this fit has %s x %s: fit's "
+                            "input is not positioned (pass data that starts at step %d, or use "
+                            "backup.fit)", where, saved_input.get("epochs"),
+                            saved_input.get("steps"), params.get("epochs"), params.get("steps"),
                             step)
             return
         if tracker is None or saved_input is None or not input_position.positionable(tracker):
