@@ -70,7 +70,8 @@ def _run_job(tmp_path, mode, extra_env=None):
     script.write_text(textwrap.dedent(FIT_SCRIPT))
     env = dict(os.environ, FAIL_MODE=mode, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "1",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output",
+           "--workers", "2", "--cpu-replicas", "1",
            "--timeout", "80", "--", sys.executable, str(script)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, cwd=tmp_path,

@@ -361,7 +361,8 @@ def test_cli_loud_on_request(tmp_path, how):
                                   "workstation_vision"])
 def test_tiny_config_across_two_workers(name, tmp_path):
     extra = ["--set", f"data.dir={str(tmp_path)!r}"] if name == "recommender" else []
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output",
+           "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, f"configs/{name}.toml", "--tiny", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250, env=_env(),
                        stdin=subprocess.DEVNULL)
@@ -374,7 +375,8 @@ def test_tiny_config_across_two_workers(name, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_tiny_quickstart_across_two_workers():
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output",
+           "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, "configs/quickstart.toml", "--tiny"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250, env=_env(),
                        stdin=subprocess.DEVNULL)

@@ -69,7 +69,7 @@ def run_workers(script, workers: int = 2, cpu_replicas: int | None = 2, timeout:
         else:
             path = os.path.join(tmp, "worker_script.py")
             Path(path).write_text(textwrap.dedent(script))
-        cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", str(workers),
+        cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output", "--workers", str(workers),
                "--timeout", str(timeout)]
         if cpu_replicas is not None:
             cmd += ["--cpu-replicas", str(cpu_replicas)]

@@ -12,7 +12,7 @@ from tfdp.launch.multinode import DEFAULT_JOIN_TIMEOUT, DEFAULT_NODE_TIMEOUT, la
 
 # What the terminal shows by default: "worker0" (worker 0 live, every worker in a log file) or
 # "all" (every worker, line by line, prefixed: --all-output).
-DEFAULT_OUTPUT = "all"
+DEFAULT_OUTPUT = "worker0"
 
 _OUTPUT_HELP = {
     "worker0": """\
