@@ -15,7 +15,7 @@ rate), ``(model, loss)`` or ``(model, loss, metrics)``; a bare model takes ``[mo
 * ``function(input_context, **keys)``: a ``tf.distribute.InputContext`` per input pipeline
   (``input_context.get_per_replica_batch_size(global_batch_size)``,
   ``input_context.num_input_pipelines`` / ``input_pipeline_id`` to shard); returns
-  ``(train, eval)`` ``tf.data.Dataset``\\ s batched PER REPLICA (``distribute_datasets_from_function``).
+  ``(train, eval)`` datasets batched PER REPLICA (``distribute_datasets_from_function``).
 * ``function(global_batch_size, **keys)``: returns ``(train, eval)`` batched with the GLOBAL
   batch; the strategy splits every batch across the replicas (``experimental_distribute_dataset``,
   auto-sharded across workers).

@@ -1,9 +1,10 @@
-"""``tfdp train CONFIG [--set SECTION.KEY=VALUE ...] [--tiny] [--baseline]``.
+"""``tfdp train CONFIG [--set SECTION.KEY=VALUE ...] [--tiny] [--baseline] [--verbose]``.
 
 Builds model, input pipeline and strategy from a TOML config, trains with Keras fit (a progress
-bar on a terminal, one line per epoch otherwise), evaluates, prints a summary (replicas, global and per-replica batch, examples/s, step-time
-percentiles, an estimate of the all-reduce share, final metrics) and checks the config's
-[targets]. Runs unchanged on one CPU, on N local devices and under ``tfdp launch``.
+bar on a terminal, one line per epoch otherwise), evaluates, prints a summary (replicas, global
+and per-replica batch, examples/s, step-time percentiles, an estimate of the all-reduce share,
+final metrics) and checks the config's [targets]. Runs unchanged on one CPU, on N local devices
+and under ``tfdp launch``.
 """
 
 from __future__ import annotations
