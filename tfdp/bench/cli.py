@@ -39,7 +39,7 @@ COMMANDS = {
                "Embedding-gradient (IndexedSlices) reduction, recommender shape: tfdp gather /\n"
                "densify vs MirroredStrategy; --sweep locates the gather/densify crossover"),
     "scaling": ("tfdp.bench.scaling",
-                "predicted scaling efficiency for 1..1024 devices (alpha-beta ring model); "
+                "predicted scaling efficiency for 1..1024 devices (alpha-beta ring model);\n"
                 "--measure fits it here"),
     "gpu": ("tfdp.bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"

@@ -160,7 +160,8 @@ def load_events(xplane_path: str) -> dict:
 
     Each event: {"name", "type", "cls", "gradient", "thread", "plane", "start_ns", "end_ns"};
     each step: {"step", "start_ns", "end_ns"}. Host op events come from ``node:OpType`` events;
-    device (GPU) kernels are taken through their ``tf_op`` stat.
+    device (GPU) kernels are taken through their ``tf_op`` stat, and when a trace has any, they
+    replace the host's spans of the same ops (which are only their launches).
     """
     from tfdp import compat
     space = compat.read_xspace(xplane_path)
@@ -204,6 +205,11 @@ def load_events(xplane_path: str) -> dict:
                                "gradient": GRADIENT_SCOPE in node, "thread": thread,
                                "plane": plane.name, "start_ns": start, "end_ns": end})
     steps.sort(key=lambda s: s["start_ns"])
+    if any("/device:" in e["plane"] for e in events):
+        # GPU ops appear twice: as kernel launches on the host's executor threads and as kernels
+        # on the device; keep the device's spans (and the host's collective executor work).
+        events = [e for e in events if "/device:" in e["plane"] or e["type"] ==
+                  "CollectiveExecutor"]
     return {"events": events, "steps": steps}
 
 
