@@ -466,7 +466,7 @@ class KerasEpochIterator:
         """Keras warns "Your input ran out of data" when the loop stops at ``num_batches``
         with ``steps_per_epoch`` set; silence it (an instance attribute) or restore it."""
         if silent:
-            self.target._interrupted_warning = lambda *a, **k: None  # noqa: E731
+            self.target._interrupted_warning = lambda *a, **k: None
         else:
             self.target.__dict__.pop("_interrupted_warning", None)
 
@@ -508,3 +508,36 @@ def keras_model_checkpoint_writing_to(callback, directory):
         yield
     finally:
         callback.__dict__.pop("_get_file_path", None)
+
+
+# --- perf: Keras internals of the fast paths (issue #14: sparse embedding reads) ---------------
+
+def keras_perf_hook_points():
+    """{name: (owner, attribute)} of the Keras internals the perf hooks wrap (owner: module)."""
+    from keras.src.backend.tensorflow import numpy as tf_numpy
+    return {"take": (tf_numpy, "take")}
+
+
+def keras_variable_storage(x):
+    """The ``tf.Variable`` (or tf.distribute variable) behind a Keras variable ``x`` as a read
+    would see it, or None: not a Keras variable, or a read that would cast (autocast)."""
+    from keras.src.backend.common import variables as keras_variables
+    if not isinstance(x, keras_variables.Variable):
+        return None
+    value = x.value  # (the storage itself unless an autocast scope casts it)
+    import tensorflow as tf
+    return value if isinstance(value, tf.Variable) else None
+
+
+def wrap_keras_perf(hooks) -> None:
+    """As ``wrap_keras``, at ``keras_perf_hook_points()`` (same marker). Idempotent."""
+    import functools
+    points = keras_perf_hook_points()
+    for name, make in hooks.items():
+        owner, attr = points[name]
+        current = getattr(owner, attr)
+        if getattr(current, _TFDP_ORIGINAL, None) is not None:
+            continue
+        replacement = functools.wraps(current)(make(current))
+        setattr(replacement, _TFDP_ORIGINAL, current)
+        setattr(owner, attr, replacement)
