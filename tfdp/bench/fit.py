@@ -244,6 +244,9 @@ def trace_note() -> str:
 def _trace(contenders, dataset, trace_dir, trace_steps, progress):
     """Profile ``trace_steps`` steady steps of each contender: their timelines (bench.trace)."""
     from tfdp.bench import trace
+    for c in contenders:  # the profiler's own set-up must not land in the first traced steps
+        trace.warm_up(lambda callbacks, c=c: c.model.fit(
+            dataset, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False, callbacks=callbacks))
     out = []
     for c in contenders:
         _common.progress(f"fit: tracing {trace_steps} steps of {c.name}", progress)
