@@ -12,6 +12,12 @@ and ratios of medians; nothing here asserts on timings.
 Both return plain dicts (JSON-serialisable) and take ``cpu_replicas``: the host CPU is split into
 that many logical devices first, so call them before anything else starts TensorFlow (or after
 ``tfdp.configure_cpu_replicas`` with the same count).
+
+Layout: one module per ``tfdp bench`` command (``allreduce``, ``fit``, ``patterns``, ``workers``,
+``input``, ``sparse``, ``scaling``, ``gpu``), each with ``build_parser()``, ``parse_args(argv)``
+and ``run(args)``; ``cli`` lists and dispatches them; ``parser`` is the one argument parser and
+the shared option checks; ``_common`` the shared measurement helpers; ``trace`` the profiler step
+timeline of ``tfdp bench fit --trace``. Nothing here starts TensorFlow at import.
 """
 
 __all__ = ["run_allreduce", "run_fit", "format_allreduce", "format_fit"]
