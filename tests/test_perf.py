@@ -5,7 +5,8 @@
   training as one device, and no whole-table read left in the traced step.
 * One replica costs nothing (``tfdp.bench.overhead``): no buckets in its all-reduce, the dataset
   iterated directly (``OneReplicaDataset``), and training equal to plain Keras.
-* Uncompressed cross-worker buckets are packed up to ``UNCOMPRESSED_BUCKET_BYTES``.
+* Cross-worker bucket caps: compressed buckets packed up to 64 MiB, float32 ones at the local
+  ``bucket_bytes`` (packing them was measured slower), overridable for the benchmark.
 
 Timings are not asserted here (the benchmarks measure them side by side, alternating rounds).
 """
@@ -210,7 +211,9 @@ def test_cross_worker_bucket_caps():
     from tfdp.reduce import hierarchical
     dev = ["/job:localhost/replica:0/task:0/device:CPU:0"]
     plain = hierarchical.MultiWorkerReduce(dev, 2)
-    assert plain.packed_bucket_bytes() == hierarchical.UNCOMPRESSED_BUCKET_BYTES
+    # measured: float32 buckets bigger than the local capacity are slower across workers
+    assert hierarchical.UNCOMPRESSED_BUCKET_BYTES is None
+    assert plain.packed_bucket_bytes() == plain.bucket_bytes
     fp16 = hierarchical.MultiWorkerReduce(dev, 2, compression="fp16")
     assert fp16.packed_bucket_bytes() == hierarchical.COMPRESSED_BUCKET_BYTES
     assert hierarchical.MultiWorkerReduce(dev, 2, bucket_bytes=0).packed_bucket_bytes() == 0

@@ -24,6 +24,14 @@ from tfdp.reduce.local import in_place
 # dtypes CollectiveGatherV2 accepts (others are cast for the trip).
 _GATHER_DTYPES = (tf.float32, tf.float16, tf.float64, tf.int32, tf.int64)
 COMPRESSED_BUCKET_BYTES = 64 * 1024 * 1024  # bucket cap when gradients are compressed
+# Uncompressed buckets keep the local ``bucket_bytes`` (None). Measured (tfdp bench crossworker,
+# 2 workers on loopback, 64 MB float32 in 32 tensors of 2 MB, two runs of 9 alternating rounds):
+# packing them into bigger buckets is slower, 4M 1.04-1.05x (noise: the same plan as 1M measured
+# 0.81x), 8M 0.72x, 16M 0.66x, 32M 0.58x, 64M 0.39-0.67x of one collective per tensor; TF's ring
+# sends chunks of up to 4 MB, and 32 concurrent collectives of 1 MB chunks move more per second
+# than one collective of 4 MB chunks. Compressed, one packed collective does pay (fp16 64M:
+# 1.20-1.32x over uncompressed in the same runs).
+UNCOMPRESSED_BUCKET_BYTES = None
 _RING_SUBDIVS = 16  # measured: 2 workers, 64 MB float32 on loopback: 610 ms -> 267 ms (DESIGN.md)
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -79,6 +87,9 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
                         self._tokens.append(tf.Variable(0.0, trainable=False,
                                                         name="tfdp_collective_order"))
         self._keys = keys.InstanceKeys(self.devices, "tfdp_cross_worker_key")
+        # None: the measured caps below; an int overrides both (read when a step is traced;
+        # the benchmark tfdp.bench.crossworker sweeps it)
+        self.cross_worker_bucket_bytes = None
         self.traced_batch_reductions = 0
         self.last_plan: list = []
 
@@ -95,6 +106,25 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
     @property
     def num_replicas(self) -> int:
         return len(self.devices) * self.num_workers
+
+    def packed_bucket_bytes(self) -> int:
+        """The bucket capacity of this reducer's dense buckets (``bucket_bytes`` 0: no fusion).
+
+        Across workers every collective has a fixed cost (~5 ms on loopback, TF's gRPC
+        transport) that neither packing nor casting shrinks, so tensors are packed into few big
+        collectives, far above the local ``bucket_bytes``, when they travel compressed: up to
+        ``COMPRESSED_BUCKET_BYTES`` (the cast before packing halves the copy). In float32 that
+        was measured slower than one collective per large tensor (``UNCOMPRESSED_BUCKET_BYTES``
+        None: the local ``bucket_bytes``; ``tfdp bench crossworker``, README "Across
+        workers"). ``cross_worker_bucket_bytes`` overrides both (benchmarks).
+        """
+        if self.bucket_bytes <= 0:
+            return 0
+        if self.cross_worker_bucket_bytes is not None:
+            return max(self.bucket_bytes, int(self.cross_worker_bucket_bytes))
+        cap = (COMPRESSED_BUCKET_BYTES if self.compression is not None
+               else UNCOMPRESSED_BUCKET_BYTES)
+        return self.bucket_bytes if cap is None else max(self.bucket_bytes, cap)
 
     # --- cross-worker primitives (one device per worker; same call order on every worker) ----
 
@@ -192,13 +222,7 @@ class MultiWorkerReduce(tf.distribute.CrossDeviceOps):
         for i in sparse:
             results[i] = self._all_gather_slices(comps_of[i], weights, reduce_op)
 
-        cap = self.bucket_bytes
-        if self.compression is not None and cap > 0:
-            # Compressed: every collective has a fixed cost (~5 ms on loopback) that casting does
-            # not shrink, so pack even large tensors into few big collectives (measured, 2 workers,
-            # 64 MB in 32 tensors: fp16 1.17-1.61x over uncompressed one per tensor, 1.31-1.69x
-            # packed; README "Compression").
-            cap = max(cap, COMPRESSED_BUCKET_BYTES)
+        cap = self.packed_bucket_bytes()
         # the local stage ("ring": reduce-scatter, else a tree to device 0); each finished piece
         # crosses the workers first, on the device that holds it
         local = algorithms.ring if self.algorithm == "ring" else algorithms.tree
