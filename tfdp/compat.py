@@ -466,7 +466,7 @@ class KerasEpochIterator:
         """Keras warns "Your input ran out of data" when the loop stops at ``num_batches``
         with ``steps_per_epoch`` set; silence it (an instance attribute) or restore it."""
         if silent:
-            self.target._interrupted_warning = lambda *a, **k: None  # noqa: E731
+            self.target._interrupted_warning = lambda *a, **k: None
         else:
             self.target.__dict__.pop("_interrupted_warning", None)
 
