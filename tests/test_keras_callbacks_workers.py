@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -23,5 +23,6 @@ from tfdp.callbacks.throughput import (StragglerReport, Throughput, gather_per_w
                                        worker_rank)
 
 __all__ = ["BackupAndRestore", "BackupError", "DivergenceError", "EX_TEMPFAIL", "NaNGuard",
-           "Position", "Preempted", "PreemptionCheckpoint", "StragglerReport", "Throughput", "gather_per_worker", "num_workers", "percentiles_ms",
-           "straggler_report", "worker_rank"]
+           "Position", "Preempted", "PreemptionCheckpoint", "StragglerReport", "Throughput",
+           "gather_per_worker", "num_workers", "percentiles_ms", "straggler_report",
+           "worker_rank"]
