@@ -41,6 +41,14 @@ COMMANDS = {
     "scaling": ("tfdp.bench.scaling",
                 "predicted scaling efficiency for 1..1024 devices (alpha-beta ring model);\n"
                 "--measure fits it here"),
+    "overhead": ("tfdp.bench.overhead",
+                 "what one replica costs: tfdp on one device and MirroredStrategy on one device\n"
+                 "vs plain Keras (wall and CPU time per step)"),
+    "embedding": ("tfdp.bench.embedding",
+                  "Keras fit of a recommender-shaped model (Embedding + MLP): tfdp vs\n"
+                  "MirroredStrategy, SGD / momentum / Adam"),
+    "crossworker": ("tfdp.bench.crossworker",
+                    "the cross-worker bucket cap, measured in one job of N local workers"),
     "gpu": ("tfdp.bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"
             "images/s, all-reduce GB/s); one line and exit 0 without a GPU; --cpu-dry-run"),
@@ -68,10 +76,11 @@ def help_text() -> str:
              "run each",
              "contender once in alternating order; figures are medians and ratios of medians.",
              "", "commands:"]
+    width = max(len(n) for n in COMMANDS)
     for name, (_, text) in COMMANDS.items():
         first, *more = text.split("\n")
-        lines.append(f"  {name:<10} {first}")
-        lines += [f"  {'':<10} {m}" for m in more]
+        lines.append(f"  {name:<{width}} {first}")
+        lines += [f"  {'':<{width}} {m}" for m in more]
     return "\n".join(lines + ["", EXAMPLES])
 
 
