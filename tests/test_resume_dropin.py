@@ -338,7 +338,7 @@ def test_position_input_false_leaves_the_input_alone(strategy, tmp_path):
 
 
 def test_keras_internals_used_by_callbacks_exist(tmp_path):
-    """Every Keras internal tfdp.callbacks relies on (tfdp/compat.py) exists in this Keras."""
+    """Every Keras internal tfdp.callbacks relies on (tfdp/compat/) exists in this Keras."""
     import keras
     from tfdp import compat
     for name, (owner, attr) in compat.keras_callbacks_hook_points().items():

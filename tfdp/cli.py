@@ -14,7 +14,7 @@ from tfdp.errors import TfdpError, UsageError
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "train": ("tfdp.train.cli", "train from a TOML config (configs/*.toml): fit, summary, targets"),
-    "launch": ("tfdp.launch.cli", "start N local workers with TF_CONFIG on 127.0.0.1 and run CMD"),
+    "launch": ("tfdp.launch.cli", "start workers with TF_CONFIG (one node or several) and run CMD"),
     "bench": ("tfdp.bench.cli", "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"),
 }
 

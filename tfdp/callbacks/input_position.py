@@ -23,7 +23,7 @@ are global (the same step on every worker).
 
 The resumed epoch is shortened to its remaining steps through the epoch iterator's own
 counters (Keras's batch indices in that epoch then start at 0; ``BackupAndRestore`` adds the
-offset). The Keras internals involved are listed in ``tfdp/compat.py``.
+offset). The Keras internals involved are listed in ``tfdp/compat/``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ under ``tf.distribute.MultiWorkerMirroredStrategy``).
 
 ``install(strategy)`` (called by every multi-worker tfdp strategy when it is created; idempotent;
 nothing happens with one worker) wraps where those callbacks write
-(``tfdp/compat.py`` lists the Keras internals):
+(``tfdp/compat/`` lists the Keras internals):
 
 * ``BackupAndRestore`` and ``ModelCheckpoint``: a worker that is not the chief still runs the
   whole save (the same code on every worker keeps any collective a save may run in step), but

@@ -1,196 +1,18 @@
-"""The ONLY module of tfdp that imports TensorFlow private APIs (``tensorflow.python...``).
+"""Keras 3's private names (TensorFlow backend): the hook points of the gradient path, the
+callbacks and the fast paths, and the one mechanism that wraps them (``wrap``).
 
-Checked against TensorFlow 2.21.0 (tensorflow-cpu 2.21.0, Keras 3.15.1). Everything else in tfdp
-uses public APIs or goes through the names re-exported here, so a TF upgrade has one place to
-look at. Each import below says what it is used for.
+Checked against Keras 3.10 to 3.15 (``tfdp.compat.names`` lists every name and a test checks
+them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import tensorflow as tf
 
-# MirroredExtended: the per-device variable mirroring and input pipeline we build on
-# (DataParallelStrategy subclasses it to fix BN aggregation and uneven batches).
-from tensorflow.python.distribute import mirrored_strategy as _mirrored_strategy
-# Helpers of the public tf.distribute.CrossDeviceOps contract: destinations -> devices, broadcast.
-from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
-# Build Mirrored / PerReplica containers from per-device components; select one replica's values.
-from tensorflow.python.distribute import distribute_utils as _distribute_utils
-from tensorflow.python.distribute import values as _values
-# The calling replica's id as an int (replica-context collectives, gradient accumulation).
-from tensorflow.python.distribute import values_util as _values_util
-# Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
-from tensorflow.python.framework import kernels as _kernels
-# Whether the function being traced is compiled by XLA (jit_compile=True).
-from tensorflow.python.ops import control_flow_util as _control_flow_util
-
-import contextlib
-
-# CollectiveAllReduceExtended: MultiWorkerMirroredStrategy's extended (cluster/server start-up,
-# collective runtime configuration, initial-value broadcast from worker 0, per-worker input
-# sharding); subclassed to use every local device of a worker.
-from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
-# The eager context: whether the TF runtime already started (collective ops must be configured
-# before), and configure_collective_ops (tolerated late, see late_collective_config).
-from tensorflow.python.eager import context as _context
-
-CollectiveAllReduceExtended = _cars.CollectiveAllReduceExtended
-
-
-def runtime_initialized() -> bool:
-    """Whether the TF eager runtime has started (the first op, device listing, variable...)."""
-    return _context.context()._context_handle is not None  # pylint: disable=protected-access
-
-
-@contextlib.contextmanager
-def late_collective_config():
-    """Let ``CollectiveAllReduceExtended`` start the multi-worker runtime after TF started.
-
-    ``context.configure_collective_ops`` refuses to run once the runtime has started ("must be
-    configured at program startup"), e.g. after ``tfdp.configure_cpu_replicas`` listed the
-    devices. What it configures (the collective group leader) also reaches the runtime through
-    the server definition that ``enable_collective_ops`` applies to the running context
-    (``CollectiveAllReduceExtended._update_config_proto`` puts it in
-    ``default_session_config.experimental.collective_group_leader``), so it is skipped then.
-    Yields True when the runtime had already started.
-    """
-    ctx = _context.context()
-    if ctx._context_handle is None:  # pylint: disable=protected-access
-        yield False
-        return
-    ctx.configure_collective_ops = lambda *args, **kwargs: None  # instance attr shadows method
-    try:
-        yield True
-    finally:
-        del ctx.configure_collective_ops
-
-
-def collective_server_started() -> bool:
-    """Whether this process already gave TF a server definition (its gRPC server, started by
-    ``enable_collective_ops`` / ``set_server_def``, holds this task's port)."""
-    ctx = _context.context()
-    return (getattr(ctx, "_collective_ops_server_def", None) is not None
-            or getattr(ctx, "_server_def", None) is not None)
-
-
-def alias_former_local_devices(job: str, task: int) -> bool:
-    """After a late collective start: make device names of the runtime's former local devices
-    (``/job:localhost/replica:0/task:0/device:X:i``) mean this task's (``/job:<job>/replica:0/
-    task:<task>/device:X:i``) in eager device scopes.
-
-    Why: ``enable_collective_ops`` on a running context (``late_collective_config``) replaces its
-    local devices by the server's, renamed to the task (TF's TODO b/129298253). Tensors and
-    datasets made before keep working as op inputs, but tf.data places the ops it runs on a
-    dataset with ``colocate_with(dataset._variant_tensor)``, i.e. ``tf.device(<its old device
-    name>)``, which no longer exists: ``/job:localhost/replica:0/task:0/device:CPU:0 unknown
-    device [Op:DatasetCardinality]`` / ``[Op:AnonymousIteratorV3]`` when a dataset built before
-    the strategy is distributed or iterated. ``Context.device`` (what ``tf.device`` and eager
-    ``colocate_with`` call) is shadowed by an instance attribute that renames such names (the
-    devices are the same: same process, same index); any other name passes unchanged. Inside
-    ``tf.function`` a stale name is only a placement request that soft placement relaxes.
-    Variables made before stay on the old devices (no longer local): they cannot be used.
-    Idempotent; returns True when installed now.
-    """
-    ctx = _context.context()
-    if "device" in vars(ctx):
-        return False
-    method = type(ctx).device
-
-    def device(name):
-        if isinstance(name, tf.config.LogicalDevice):
-            name = name.name
-        elif isinstance(name, tf.DeviceSpec):
-            name = name.to_string()
-        if isinstance(name, str) and "localhost" in name:
-            try:
-                spec = tf.DeviceSpec.from_string(name)
-            except (ValueError, TypeError):
-                spec = None
-            if (spec is not None and spec.job == "localhost" and spec.replica in (None, 0)
-                    and spec.task in (None, 0)):
-                name = spec.replace(job=job, replica=0, task=task).to_string()
-        return method(ctx, name)
-
-    ctx.device = device
-    return True
-
-
-TF_VERSION_CHECKED = "2.21.0"
-
-MirroredExtended = _mirrored_strategy.MirroredExtended
-PerReplica = _values.PerReplica
-Mirrored = _values.Mirrored
-
-
-def devices_of(destinations) -> tuple[str, ...]:
-    """The canonical device strings of ``destinations`` (a DistributedValues, variable or device)."""
-    return tuple(_cross_device_ops.get_devices_from(destinations))
-
-
-def has_destinations(destinations) -> bool:
-    return _cross_device_ops.check_destinations(destinations)
-
-
-def mirrored(components):
-    """A Mirrored value from per-device components (a plain tensor when there is one)."""
-    return _distribute_utils.regroup(tuple(components), wrap_class=Mirrored)
-
-
-def select_replica(replica_id: int, structure):
-    """The components of replica ``replica_id`` in a structure of PerReplica values."""
-    return _distribute_utils.select_replica(replica_id, structure)
-
-
-def nccl_kernel_registered() -> bool:
-    """Whether this TensorFlow build has the NCCL all-reduce GPU kernel."""
-    try:
-        kernels = _kernels.get_registered_kernels_for_op("NcclAllReduce")
-    except Exception:  # the op itself may be unknown in CPU-only builds
-        return False
-    return any(k.device_type == "GPU" for k in kernels.kernel)
-
-
-def nccl_all_sum(tensors):
-    """TF's own NCCL all-sum over tensors on distinct GPUs (one output per input device)."""
-    from tensorflow.python.ops import nccl_ops
-    return nccl_ops.all_sum(tensors)
-
-
-def current_replica_id() -> int:
-    """The replica id (an int) of the calling replica context (values_util)."""
-    return _values_util.get_current_replica_id_as_int()
-
-
-def is_distributed_values(x) -> bool:
-    return isinstance(x, tf.distribute.DistributedValues)
-
-
-@contextlib.contextmanager
-def coordination_heartbeat_timeout(seconds: float):
-    """Give the coordination service that ``CollectiveAllReduceExtended`` configures this
-    heartbeat timeout (TF's own default when not set: 10 s).
-
-    MultiWorkerMirroredStrategy's ``_initialize_multi_worker`` calls
-    ``context.configure_coordination_service(service_type="standalone", ...)`` (only when no
-    coordination service is configured yet) without a heartbeat timeout; this wraps that call
-    (an instance attribute shadowing the method, as ``late_collective_config`` does) to add
-    ``heartbeat_timeout_in_ms``. Every task's agent then heartbeats the leader (task 0) and the
-    service reports a task whose heartbeats stop as "unhealthy (stopped sending heartbeats)",
-    which aborts the collectives on every other task (UnavailableError).
-    """
-    ctx = _context.context()
-    original = ctx.configure_coordination_service
-
-    def configure(*args, **kwargs):
-        kwargs.setdefault("heartbeat_timeout_in_ms", max(1, int(round(seconds * 1000))))
-        return original(*args, **kwargs)
-
-    ctx.configure_coordination_service = configure
-    try:
-        yield
-    finally:
-        del ctx.configure_coordination_service
-
+from tfdp.compat.tf_internals import _context, _values
 
 # --- Keras 3 internals (the TensorFlow backend) --------------------------------------------------
 #
@@ -246,22 +68,27 @@ def keras_builtin_train_step():
 _TFDP_ORIGINAL = "__tfdp_original__"
 
 
-def wrap_keras(hooks) -> None:
-    """Install ``hooks`` ({name: make(original) -> replacement}) at ``keras_hook_points()``.
+def wrap(points, hooks, marker=_TFDP_ORIGINAL) -> None:
+    """Install ``hooks`` ({name: make(original) -> replacement}) at ``points`` ({name: (owner,
+    attribute)}: a class or a module). The one wrapping mechanism of tfdp.
 
-    Idempotent: a point already wrapped keeps its wrapper. Each replacement keeps the original
-    as ``__tfdp_original__`` and must call it whenever tfdp is not involved.
+    Idempotent: a point already wrapped (its current value carries ``marker``) keeps its wrapper.
+    Each replacement keeps the original under ``marker`` and must call it whenever tfdp is not
+    involved. Subsystems that may wrap the same point pass their own ``marker``.
     """
-    import functools
-    points = keras_hook_points()
     for name, make in hooks.items():
         owner, attr = points[name]
         current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if getattr(current, _TFDP_ORIGINAL, None) is not None:
+        if getattr(current, marker, None) is not None:
             continue
         replacement = functools.wraps(current)(make(current))
-        setattr(replacement, _TFDP_ORIGINAL, current)
+        setattr(replacement, marker, current)
         setattr(owner, attr, replacement)
+
+
+def wrap_keras(hooks) -> None:
+    """``wrap`` at ``keras_hook_points()`` (the gradient path)."""
+    wrap(keras_hook_points(), hooks)
 
 
 
@@ -279,48 +106,6 @@ def keras_epoch_iterator_element_spec(iterator):
         return s
 
     return tf.nest.map_structure(one_replica, spec)
-
-
-def in_xla_context() -> bool:
-    """Whether the graph being built (or one enclosing it) is compiled with XLA."""
-    return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-# tf.data's pipeline structure (tfdp.data._no_alias walks it to find Python-function sources).
-
-def dataset_inputs(dataset):
-    """The datasets ``dataset`` reads from (``tf.data.Dataset._inputs``)."""
-    return dataset._inputs()  # pylint: disable=protected-access
-
-
-def dataset_functions(dataset):
-    """The traced functions of ``dataset``'s transformation (``tf.data.Dataset._functions``)."""
-    return dataset._functions()  # pylint: disable=protected-access
-
-
-# --- task "bench": names tfdp.bench reads (MirroredStrategy's reduction, the profiler's trace) ----
-
-def mirrored_cross_device_ops(strategy):
-    """The ``tf.distribute.CrossDeviceOps`` a MirroredStrategy reduces with
-    (``MirroredExtended._cross_device_ops``; None when it has not chosen one)."""
-    return getattr(strategy.extended, "_cross_device_ops", None)
-
-
-def collective_implementation(cross_device_ops):
-    """``CollectiveAllReduce``'s communication implementation (``_options.implementation``, a
-    ``tf.distribute.experimental.CommunicationImplementation``), or None for other ops."""
-    return getattr(getattr(cross_device_ops, "_options", None), "implementation", None)
-
-
-def read_xspace(path: str):
-    """The ``XSpace`` protobuf of a profiler trace file (``*.xplane.pb``, what
-    ``tf.profiler.experimental.stop()`` writes), parsed with the ``xplane_pb2`` module TF ships
-    (``tensorflow.tsl.profiler.protobuf``)."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
-    return space
 
 
 # --- callbacks: drop-in exact resume and Keras's file-writing callbacks across workers ------------
@@ -357,19 +142,9 @@ _TFDP_CALLBACKS_ORIGINAL = "__tfdp_callbacks_original__"
 
 
 def wrap_keras_callbacks(hooks) -> None:
-    """Install ``hooks`` ({name: make(original) -> replacement}) at
-    ``keras_callbacks_hook_points()`` (as ``wrap_keras``, with its own marker so that the two
-    never mistake each other's wrappers). Idempotent."""
-    import functools
-    points = keras_callbacks_hook_points()
-    for name, make in hooks.items():
-        owner, attr = points[name]
-        current = owner.__dict__[attr]
-        if getattr(current, _TFDP_CALLBACKS_ORIGINAL, None) is not None:
-            continue
-        replacement = functools.wraps(current)(make(current))
-        setattr(replacement, _TFDP_CALLBACKS_ORIGINAL, current)
-        setattr(owner, attr, replacement)
+    """``wrap`` at ``keras_callbacks_hook_points()``, with its own marker (so that the callbacks'
+    and the gradient path's wrappers never mistake each other)."""
+    wrap(keras_callbacks_hook_points(), hooks, _TFDP_CALLBACKS_ORIGINAL)
 
 
 def keras_is_fit_epoch_iterator(init_kwargs) -> bool:
@@ -530,14 +305,5 @@ def keras_variable_storage(x):
 
 
 def wrap_keras_perf(hooks) -> None:
-    """As ``wrap_keras``, at ``keras_perf_hook_points()`` (same marker). Idempotent."""
-    import functools
-    points = keras_perf_hook_points()
-    for name, make in hooks.items():
-        owner, attr = points[name]
-        current = getattr(owner, attr)
-        if getattr(current, _TFDP_ORIGINAL, None) is not None:
-            continue
-        replacement = functools.wraps(current)(make(current))
-        setattr(replacement, _TFDP_ORIGINAL, current)
-        setattr(owner, attr, replacement)
+    """``wrap`` at ``keras_perf_hook_points()``."""
+    wrap(keras_perf_hook_points(), hooks)

@@ -1,0 +1,32 @@
+"""Every private TensorFlow / Keras name tfdp relies on: the only place that touches them.
+
+* ``tf_internals.py``: tf.distribute internals (the extended classes tfdp subclasses, values,
+  devices, NCCL), the eager context (late collective start, coordination heartbeats), tf.data.
+* ``keras_internals.py``: Keras 3's internals (hook points of the gradient path, the callbacks
+  and the fast paths) and ``wrap``, the one mechanism that wraps them.
+* ``profiler_internals.py``: what ``tfdp bench`` reads (MirroredStrategy's reduction, traces).
+* ``names.py``: the list of every private name (imports, calls, overridden hooks, wrapped
+  functions, attributes), why each is needed, and the tested version range; a test asserts each
+  still exists in the installed TensorFlow / Keras, and ``import tfdp`` logs one warning under
+  an untested version (from package metadata: ``import tfdp`` still imports no TensorFlow).
+
+Whatever must differ between supported versions lives here, keyed on features (``hasattr``, a
+failed import), never on version strings. ``from tfdp import compat as tfp`` gives every helper
+as an attribute (``tfp.MirroredExtended``, ``tfp.wrap_keras``, ...), loaded when first used.
+"""
+
+import importlib
+
+_SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
+               "tfdp.compat.profiler_internals")
+
+
+def __getattr__(name):
+    if not name.startswith("__"):
+        for sub in _SUBMODULES:
+            module = importlib.import_module(sub)
+            if name in vars(module):
+                value = vars(module)[name]
+                globals()[name] = value
+                return value
+    raise AttributeError(f"module 'tfdp.compat' has no attribute {name!r}")
