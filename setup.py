@@ -3,7 +3,7 @@
 TensorFlow flavour: the default requirement is ``tensorflow-cpu``. On a machine with NVIDIA GPUs
 install the CUDA build instead, *before* tfdp, so pip does not pull the CPU wheel::
 
-    pip install "tensorflow[and-cuda]==2.21.*" && pip install -e . --no-deps && pip install -e .
+    pip install "tensorflow[and-cuda]>=2.19,<2.22" && pip install -e . --no-deps && pip install -e .
 
 or simply ``TFDP_TF_PACKAGE=gpu pip install -e .`` which makes this setup.py require
 ``tensorflow[and-cuda]`` instead of ``tensorflow-cpu``.
@@ -23,7 +23,16 @@ if _tf_flavour not in ("cpu", "gpu"):
     raise SystemExit(
         f"Invalid TFDP_TF_PACKAGE. Received: TFDP_TF_PACKAGE={_tf_flavour!r}. "
         "Valid: 'cpu' (tensorflow-cpu) or 'gpu' (tensorflow[and-cuda]).")
-TF_REQ = "tensorflow-cpu==2.21.*" if _tf_flavour == "cpu" else "tensorflow[and-cuda]==2.21.*"
+# Supported releases (tests/test_versions.py checks .ci/run tests both ends of each range).
+# TensorFlow 2.19, 2.20, 2.21: the whole suite runs on the newest, the compatibility subset
+# (.ci/compat_subset.txt) on the others. Keras from 3.12, as TF 2.21 itself requires (TF 2.19
+# accepts keras>=3.5, TF 2.20 keras>=3.10): before 3.10 Keras creates metric variables
+# sync-on-write (MirroredVariables that all-reduce every metric update), which breaks tfdp's
+# metrics and accumulation; with 3.10 and 3.11, compile(jit_compile=True) on several CPU replicas
+# fails (a replica's XLA step reads another replica's variable).
+TF_RANGE = ">=2.19,<2.22"
+KERAS_RANGE = ">=3.12,<3.16"
+TF_REQ = ("tensorflow-cpu" if _tf_flavour == "cpu" else "tensorflow[and-cuda]") + TF_RANGE
 
 setup(
     name="tfdp",
@@ -35,7 +44,7 @@ setup(
     packages=find_packages(include=["tfdp", "tfdp.*"]),
     install_requires=[
         TF_REQ,
-        "keras==3.15.*",
+        "keras" + KERAS_RANGE,
         "absl-py",
         "numpy",
         "portpicker",
