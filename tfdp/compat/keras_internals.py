@@ -290,7 +290,8 @@ def keras_model_checkpoint_writing_to(callback, directory):
 def keras_perf_hook_points():
     """{name: (owner, attribute)} of the Keras internals the perf hooks wrap (owner: module)."""
     from keras.src.backend.tensorflow import numpy as tf_numpy
-    return {"take": (tf_numpy, "take")}
+    from keras.src.optimizers import sgd
+    return {"take": (tf_numpy, "take"), "sgd_build": (sgd.SGD, "build")}
 
 
 def keras_variable_storage(x):

@@ -177,6 +177,8 @@ NAMES: tuple[Private, ...] = (
             "embedding lookups read rows (ResourceGather), not the whole table"),
     Private("keras.src.backend.common.variables", "Variable", "import",
             "the storage behind a Keras variable (the fast embedding read)"),
+    Private("keras.src.optimizers.sgd:SGD", "build", "wrap",
+            "which tables a plain SGD updates with scatters (only those get row reads)"),
     # --- tfdp bench ---------------------------------------------------------------------------
     Private(_MS, "_cross_device_ops", "state", "which reduction MirroredStrategy uses (bench)"),
     Private("tensorflow.python.distribute.cross_device_ops:CollectiveAllReduce", "_options",
