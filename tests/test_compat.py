@@ -104,7 +104,7 @@ def test_untested_versions_warn_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "untested" in r.getMessage()]
     assert len(lines) == 1 and "tensorflow 2.23.1 (tested: 2.19-2.21)" in lines[0]
     versions.update({"tensorflow-cpu": "2.19.0", "keras": "3.9.0"})
-    assert names.untested_versions() == ["keras 3.9.0 (tested: 3.10-3.15)"]
+    assert names.untested_versions() == ["keras 3.9.0 (tested: 3.12-3.15)"]
     versions.update({"keras": "3.12.0"})
     assert names.untested_versions() == []
 
@@ -117,3 +117,14 @@ def test_installed_versions_are_tested():
 def test_every_entry_says_why(entry):
     assert entry.kind in ("import", "call", "override", "wrap", "state")
     assert entry.why.strip()
+
+
+def test_tested_range_is_the_range_setup_py_installs():
+    import re
+    text = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    tf_range = re.search(r'TF_RANGE = ">=(\d+\.\d+),<(\d+)\.(\d+)"', text)
+    keras_range = re.search(r'KERAS_RANGE = ">=(\d+\.\d+),<(\d+)\.(\d+)"', text)
+    assert tf_range and keras_range
+    for (low, major, minor_end), tested in ((tf_range.groups(), names.TESTED_TENSORFLOW),
+                                            (keras_range.groups(), names.TESTED_KERAS)):
+        assert tested == (low, f"{major}.{int(minor_end) - 1}")

@@ -1,7 +1,7 @@
 """Keras 3's private names (TensorFlow backend): the hook points of the gradient path, the
 callbacks and the fast paths, and the one mechanism that wraps them (``wrap``).
 
-Checked against Keras 3.10 to 3.15 (``tfdp.compat.names`` lists every name and a test checks
+Checked against Keras 3.12 to 3.15 (``tfdp.compat.names`` lists every name and a test checks
 them).
 """
 

@@ -27,7 +27,7 @@ log = logging.getLogger("tfdp")
 
 # Tested: the whole suite on the newest, a compatibility subset on the others (.ci/run).
 TESTED_TENSORFLOW = ("2.19", "2.21")   # inclusive, major.minor
-TESTED_KERAS = ("3.10", "3.15")  # (the lower bound: .ci/run installs it with TF 2.19)
+TESTED_KERAS = ("3.12", "3.15")  # (the lower bound: .ci/run installs it with TF 2.19)
 
 
 @dataclass(frozen=True)
