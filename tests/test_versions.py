@@ -134,3 +134,22 @@ def test_both_tensorflow_flavours_get_the_same_range(flavour, name, monkeypatch)
     assert reqs[name].specifier == TF_SPEC, reqs
     assert reqs["keras"].specifier == KERAS_SPEC, reqs
 
+
+# --- Keras before 3.10 (metric variables sync-on-write): one clear error, not wrong metrics -----
+
+def test_installed_keras_creates_metric_variables_sync_on_read():
+    from tfdp import compat
+    assert compat.keras_metric_variables_sync_on_read()
+
+
+def test_strategy_refuses_a_keras_with_sync_on_write_metric_variables(monkeypatch):
+    from tfdp.compat import keras_internals
+    from tfdp.errors import TfdpError
+    from tfdp.keras import gradient_path
+    monkeypatch.setattr(keras_internals, "keras_metric_variables_sync_on_read", lambda: False)
+    monkeypatch.delattr("tfdp.compat.keras_metric_variables_sync_on_read", raising=False)
+    monkeypatch.setattr(gradient_path, "_installed", False)
+    with pytest.raises(TfdpError, match=r"sync-on-write .*Received: keras==3\.\d+.*"
+                                        r'pip install "keras>=3\.12,<3\.16"'):
+        gradient_path.install()
+    assert gradient_path._installed is False

@@ -308,3 +308,26 @@ def keras_variable_storage(x):
 def wrap_keras_perf(hooks) -> None:
     """``wrap`` at ``keras_perf_hook_points()``."""
     wrap(keras_perf_hook_points(), hooks)
+
+
+# --- compat-versions (issue #12 item 5): TensorFlow 2.19-2.21, Keras 3.12-3.15 ---------------
+#
+# Every TensorFlow private name tfdp uses (names.py) is the same in TF 2.19.1, 2.20.0 and
+# 2.21.0 (their tf.distribute, eager context and tf.data sources differ only in comments; the
+# compatibility subset, .ci/compat_subset.txt, runs on each): nothing depends on the TF release.
+# Keras differs, and setup.py requires keras>=3.12 (TF 2.21's own floor):
+# * before Keras 3.10 a Keras variable has no ``synchronization`` and metric variables
+#   (``Metric.add_variable``) are created sync-on-write, as MirroredVariables that all-reduce
+#   every ``update_state`` through a merge_call. tfdp keeps metric state per replica
+#   (sync-on-read, as Keras 3.10+ creates it): with such a Keras the loss history and metrics
+#   differ from one device and accumulation fails ("Some replicas made a different number of
+#   replica_context().merge_call() calls"). Checked below (one clear error at strategy creation).
+# * with Keras 3.10 and 3.11, compile(jit_compile=True) on several CPU replicas fails: a replica's
+#   XLA-compiled step reads another replica's variable ("Trying to access resource
+#   .../replica_1/... located in device CPU:1 from device CPU:0"); fine from Keras 3.12.
+
+def keras_metric_variables_sync_on_read() -> bool:
+    """Whether this Keras creates metric variables sync-on-read (``keras.Variable`` has a
+    ``synchronization``, Keras >= 3.10), which tfdp's metric handling needs."""
+    import keras
+    return hasattr(keras.Variable, "synchronization")

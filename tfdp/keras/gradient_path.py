@@ -440,6 +440,14 @@ def install() -> None:
     global _installed
     with _install_lock:
         if not _installed:
+            if not tfp.keras_metric_variables_sync_on_read():
+                import keras
+                from tfdp.errors import TfdpError, message
+                raise TfdpError(message(
+                    "This Keras creates metric variables sync-on-write (Keras before 3.10), "
+                    "which tfdp does not support: metrics and losses would differ from one device",
+                    f"keras=={keras.__version__}",
+                    'Install a supported Keras: pip install "keras>=3.12,<3.16".'))
             tfp.wrap_keras(_HOOKS)
             tfp.wrap_keras_perf(_PERF_HOOKS)
             _installed = True
