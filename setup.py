@@ -50,7 +50,8 @@ setup(
         "portpicker",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn", "matplotlib"],
+        "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn", "matplotlib",
+                 "pyyaml"],
         "data": ["tensorflow-datasets"],
         "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
