@@ -237,31 +237,3 @@ def test_cross_worker_bucket_caps():
     assert plain.packed_bucket_bytes() == 4 << 20
     big_local = hierarchical.MultiWorkerReduce(dev, 2, bucket_bytes=128 << 20)
     assert big_local.packed_bucket_bytes() == 128 << 20  # never below the local capacity
-
-
-def test_momentum_sgd_gets_one_densified_sum():
-    # the optimizer would densify the IndexedSlices on every replica (m * momentum - g * lr):
-    # "auto" densifies once in the reduction instead, only when that is exact (linear)
-    from tfdp.reduce.local import DataParallelReduce
-    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
-    ops = DataParallelReduce("fused")
-
-    def slices(r):
-        with tf.device(devices[r]):
-            return tf.IndexedSlices(tf.fill([2, 3], float(r + 1)), tf.constant([1, 1 + r]),
-                                    tf.constant([5, 3]))
-    value = tfp.PerReplica((slices(0), slices(1)))
-    want = np.zeros((5, 3), np.float32)
-    want[1] += 1 + 1 + 2
-    want[2] += 2
-    for densify_ok, dense_update, dense in ((True, True, True), (True, False, False),
-                                            (False, True, False)):
-        ops.densify_ok, ops.dense_update = densify_ok, dense_update
-        out = ops.all_reduce("sum", [value])[0]
-        comps = out.values if tfp.is_distributed_values(out) else (out,)
-        assert all(isinstance(c, tf.IndexedSlices) != dense for c in comps)
-        for c in comps:
-            np.testing.assert_allclose(tf.convert_to_tensor(c).numpy(), want)
-    assert gradient_path.builds_dense_update(keras.optimizers.SGD(0.1, momentum=0.9))
-    assert not gradient_path.builds_dense_update(keras.optimizers.SGD(0.1))
-    assert not gradient_path.builds_dense_update(keras.optimizers.Adam())

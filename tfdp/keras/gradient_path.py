@@ -112,15 +112,6 @@ def linear_in_gradient(optimizer) -> bool:
                for a in ("clipnorm", "clipvalue", "global_clipnorm"))
 
 
-def builds_dense_update(optimizer) -> bool:
-    """Whether ``optimizer`` turns an IndexedSlices gradient into a dense update anyway on every
-    replica (SGD with momentum: ``m * momentum - g * lr`` densifies ``g``), so one densified sum
-    saves every replica its own densify (measured: ``UnsortedSegmentSum`` was a quarter of the
-    op time of a 200,000 x 64 embedding step on 4 CPU replicas, ``tfdp bench embedding``)."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    return linear_in_gradient(optimizer) and bool(getattr(optimizer, "momentum", 0))
-
-
 def _current():
     """(extended, step, local replica id) inside a replica function of a tfdp step, else None."""
     if not tf.distribute.has_strategy():
@@ -161,8 +152,7 @@ def reduce_gradients(extended, grads, optimizer, trainable_variables=None):
     if not idx:
         return grads
     reduced = extended.all_reduce_gradients([grads[i] for i in idx],
-                                            densify_ok=linear_in_gradient(optimizer),
-                                            dense_update=builds_dense_update(optimizer))
+                                            densify_ok=linear_in_gradient(optimizer))
     for i, r in zip(idx, reduced):
         grads[i] = r
     return grads

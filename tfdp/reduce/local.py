@@ -74,9 +74,6 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
         self._impl = algorithms.ALGORITHMS[algorithm]
         self.sparse = sparse
         self.densify_ok = False
-        # set True when the consumer also builds a dense update from a sparse gradient on every
-        # replica (momentum SGD): "auto" then densifies once, here (exact: densify_ok is needed)
-        self.dense_update = False
         # Counted when graphs are built (each tf.function trace) - tests and stats read them.
         self.traced_batch_reductions = 0
         self.last_plan: list[packing.Bucket] = []
@@ -164,11 +161,8 @@ class DataParallelReduce(tf.distribute.CrossDeviceOps):
         sparse = [i for i, v in enumerate(values) if isinstance(v.values[0], tf.IndexedSlices)]
 
         for i in sparse:
-            mode = self.sparse
-            if mode == "auto" and self.densify_ok and self.dense_update and n > 1:
-                mode = "densify"  # one densify instead of one per replica in the optimizer
             per_dev = sparse_lib.reduce_local(
-                list(values[i].values), weights, devices, mode,
+                list(values[i].values), weights, devices, self.sparse,
                 scale=(1.0 / n) if reduce_op == MEAN else None,
                 dense_reduce=self._dense_sum(devices) if self.algorithm == "nccl" else None,
                 densify_ok=self.densify_ok)

@@ -71,7 +71,7 @@ class DataParallelExtendedBase:
         """tfdp's cross-device ops for this strategy."""
         return self._tfdp_reduce
 
-    def all_reduce_gradients(self, grads, densify_ok=False, dense_update=False):
+    def all_reduce_gradients(self, grads, densify_ok=False):
         """SUM of every replica's ``grads`` (a flat list), called from a replica context by the
         gradient path (``tfdp.keras.gradient_path``); an empty replica's gradients count as zero.
 
@@ -81,8 +81,6 @@ class DataParallelExtendedBase:
         step = self.tfdp_step
         masks = None if step is None else step.masks
         self._tfdp_reduce.densify_ok = densify_ok
-        # (the optimizer densifies a sparse gradient on every replica anyway: densify it once)
-        self._tfdp_reduce.dense_update = dense_update
         if self._tfdp_no_merge and not tf.executing_eagerly():
             # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
             return self._replica_reducer().all_reduce(
