@@ -80,7 +80,8 @@ def _launch(tmp_path, restarts, **env_extra):
     env = dict(os.environ, TFDP_TEST_DIR=TESTS_DIR, CUDA_VISIBLE_DEVICES="",
                TF_CPP_MIN_LOG_LEVEL="2", BACKUP_DIR=str(tmp_path / "backup"),
                CKPT_DIR=str(tmp_path / "ckpt"), CSV=str(tmp_path / "log.csv"), **env_extra)
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output", "--workers", "2",
+           "--cpu-replicas", "2",
            "--max-restarts", str(restarts), "--timeout", "300", "--", sys.executable,
            str(script)]
     try:

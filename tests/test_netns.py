@@ -134,7 +134,8 @@ print("FINISHED", rank, flush=True)
 
 
 def _launch(ns, rank, script, tmp_path, env):
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "tfdp", "launch", "--nnodes", "2",
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "tfdp", "launch", "--all-output",
+           "--nnodes", "2",
            "--node-rank", str(rank), "--coordinator", f"{HOSTS[0]}:{PORT}",
            "--workers-per-node", "1", "--cpu-replicas", "1", "--timeout", str(JOB_TIMEOUT),
            "--join-timeout", "60", "--log-dir", str(tmp_path / f"logs{rank}"), "--",

@@ -137,7 +137,8 @@ def test_launcher_max_restarts_resumes_after_exit_75(tmp_path):
 def test_two_workers_sigterm_to_worker_1_only(tmp_path):
     from tfdp.testing import format_failure, parse_results, run_workers, split_output
     script = _script(tmp_path)
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--timeout", "90",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output", "--workers", "2",
+           "--timeout", "90",
            "--cpu-replicas", "1", "--", sys.executable, script]
     code, out = _run(cmd, _env(tmp_path, KILL_AT=KILL_AT, KILL_RANK=1), tmp_path, 110)
     outputs, launcher = split_output(out, 2)

@@ -256,7 +256,8 @@ def test_two_workers_killed_worker_restarted_by_launcher(tmp_path, kind, kill_ra
     env = dict(os.environ, TFDP_TEST_DIR=TESTS_DIR, CUDA_VISIBLE_DEVICES="",
                TF_CPP_MIN_LOG_LEVEL="2", BACKUP_DIR=str(tmp_path / "backup"), KIND=kind,
                KILL_AT="7", KILL_RANK=str(kill_rank))
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", "2", "--cpu-replicas", "2",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output", "--workers", "2",
+           "--cpu-replicas", "2",
            "--max-restarts", "1", "--timeout", "360", "--", sys.executable, str(script)]
     try:
         p = subprocess.run(cmd, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
