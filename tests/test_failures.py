@@ -185,6 +185,31 @@ def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period():
                         lines[0]), lines
 
 
+def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to_exit():
+    """A worker that printed its peer-failure line may take seconds to exit (TF's unwinding):
+    the launcher stops the job half a second later, naming the lost peer (fault trials (c))."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        if os.environ["TFDP_WORKER_RANK"] == "0":
+            sys.stderr.write({failures.PEER_FAILURE_MARK!r} + "worker 1 is frozen\\n")
+            sys.stderr.flush()
+        time.sleep(60)
+    """)
+    import io
+    err = io.StringIO()
+    start = time.monotonic()
+    rc = launcher_lib.launch([sys.executable, "-c", code], 2, timeout=30, stdout=io.StringIO(),
+                             stderr=err)
+    took = time.monotonic() - start
+    assert rc == 1
+    assert took < 2.0 + launcher_lib._PEER_EXIT_S + launcher_lib.GRACE_S, took
+    lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("tfdp launch:")]
+    assert len(lines) == 1, err.getvalue()
+    assert re.fullmatch(r"tfdp launch: worker 1 is frozen; reported by worker 0 \(127\.0\.0\.1:"
+                        r"\d+\), which was still exiting; stopped the other workers",
+                        lines[0]), lines
+
+
 def test_is_stopped():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -49,6 +49,9 @@ COMMANDS = {
                   "MirroredStrategy, SGD / momentum / Adam"),
     "crossworker": ("tfdp.bench.crossworker",
                     "the cross-worker bucket cap, measured in one job of N local workers"),
+    "faults": ("tfdp.bench.faults",
+               "randomized fault trials on a 2-worker job (kill + restart, kill, SIGSTOP, kill\n"
+               "inside a backup write, SIGTERM): trials passed, detection s, resume max |dw|"),
     "gpu": ("tfdp.bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"
             "images/s, all-reduce GB/s); one line and exit 0 without a GPU; --cpu-dry-run"),

@@ -47,6 +47,10 @@ GRACE_S = 3.0        # SIGTERM -> SIGKILL grace period
 _KILL_WAIT_S = 5.0   # how long to wait for SIGKILLed processes to be reaped
 _JOIN_S = 2.0        # how long to wait for output reader threads after the workers exited
 _POLL_S = 0.05
+# A worker that printed its peer-failure line is done: it may still take seconds to exit (TF's
+# error unwinding, garbage collection; measured up to 19 s after a SIGSTOPped peer). Wait this
+# long for its own exit code, then stop the job.
+_PEER_EXIT_S = 0.5
 _PREFIX = "tfdp launch"
 OUTPUT_MODES = ("all", "worker0")
 
@@ -240,8 +244,11 @@ def _supervise(job: "_Job", max_restarts: int, timeout, deadline, received,
             job.logs_line()
             return code
         _, index, code = outcome
-        how = (f"failed with exit code {code}" if code >= 0
-               else f"was killed by signal {_signame(-code)}")
+        if code is None:  # it reported a lost peer and has not exited yet: stopped with the rest
+            how, code = "was still exiting", 1
+        else:
+            how = (f"failed with exit code {code}" if code >= 0
+                   else f"was killed by signal {_signame(-code)}")
         others = "; stopped the other workers" if job.num_workers > 1 else ""
         cause = job.logs[index].peer_report  # the peer it lost, when it says so
         line = (f"{cause}; reported by {job.describe(index)}, which {how}{others}" if cause
@@ -332,6 +339,7 @@ class _Job:
     def start(self, restart: int, configs: list | None) -> None:
         """Start all workers with these TF_CONFIG dicts (indexed by local worker)."""
         self.procs, self.threads = [], []
+        self._peer_seen: dict[int, float] = {}  # worker -> when its peer report was seen
         for i, env in enumerate(self.envs):
             self.logs[i].reset()
             if restart:
@@ -359,7 +367,8 @@ class _Job:
                 self.threads.append((t, pipe))
 
     def wait(self, deadline, received, watch=None) -> tuple:
-        """Wait until all succeed ("ok"), one fails ("failed", i, code), time runs out
+        """Wait until all succeed ("ok"), one fails ("failed", i, code; code None: it reported
+        a lost peer ``_PEER_EXIT_S`` ago and is still running), time runs out
         ("timeout"), the launcher gets a signal ("signal", signum) or ``watch()`` reports
         another node's end ("remote", line, code)."""
         while True:
@@ -371,6 +380,11 @@ class _Job:
                     return ("failed", i, code)
             if all(c == 0 for c in codes):
                 return ("ok",)
+            now = time.monotonic()
+            for i, code in enumerate(codes):
+                if code is None and self.logs[i].peer_report is not None:
+                    if now - self._peer_seen.setdefault(i, now) >= _PEER_EXIT_S:
+                        return ("failed", i, None)  # reported a lost peer, still exiting
             if deadline is not None and time.monotonic() >= deadline:
                 return ("timeout",)
             if watch is not None:
