@@ -45,7 +45,8 @@ from tfdp.logs import LEVEL_ENV, quiet_tensorflow
 
 GRACE_S = 3.0        # SIGTERM -> SIGKILL grace period
 _KILL_WAIT_S = 5.0   # how long to wait for SIGKILLed processes to be reaped
-_JOIN_S = 2.0        # how long to wait for output reader threads after the workers exited
+_JOIN_S = 10.0       # how long to wait for output reader threads after the workers exited
+# (they end at once at EOF; on a loaded host 2 s was measured too short to drain them)
 _POLL_S = 0.05
 # A worker that printed its peer-failure line is done: it may still take seconds to exit (TF's
 # error unwinding, garbage collection; measured up to 19 s after a SIGSTOPped peer). Wait this
