@@ -178,6 +178,8 @@ def pump(pipe, log: WorkerLog, terminal: Terminal | None, stream: IO[str] | None
             show(pending[sent:])
             sent = len(pending)
 
+    unlogged = b""  # the log gets whole lines: stdout's and stderr's pumps share the file
+
     while True:
         try:
             data = pipe.read1(_READ)
@@ -185,8 +187,14 @@ def pump(pipe, log: WorkerLog, terminal: Terminal | None, stream: IO[str] | None
             break
         if not data:
             break
-        log.write(data)
+        unlogged += data
+        cut = unlogged.rfind(b"\n") + 1
+        if cut:
+            log.write(unlogged[:cut])
+            unlogged = unlogged[cut:]
         lines(decoder.decode(data))
+    if unlogged:
+        log.write(unlogged)
     lines(decoder.decode(b"", final=True))
     if pending:  # a last line without a newline
         log.add_line(pending)
