@@ -23,21 +23,12 @@ import statistics
 import time
 
 from tfdp.bench import _common
+from tfdp.bench.fit import build_mlp  # the same MLP as tfdp bench fit
 from tfdp.bench.parser import BenchParser, check_positive, check_writable, write_json
 from tfdp.errors import TfdpError
 
 DEFAULTS = {"layers": 8, "width": 256, "batch": 256, "steps": 50, "rounds": 15}
 WARMUP_STEPS = 5
-
-
-def build_mlp(layers: int, width: int):
-    import keras
-    inputs = keras.Input((width,))
-    x = inputs
-    for i in range(layers):
-        x = keras.layers.Dense(width, activation="relu" if i < layers - 1 else None,
-                               kernel_initializer="he_normal", name=f"dense_{i}")(x)
-    return keras.Model(inputs, x, name=f"mlp_{layers}x{width}")
 
 
 def _dataset(width: int, batch: int, seed: int = 0):

@@ -47,18 +47,26 @@ def _private_dir(role) -> str:
     return tempfile.mkdtemp(prefix=f"tfdp-worker{role.index}-keras-")
 
 
-def _backup_save(original):
-    def _save_model(self, *args, **kwargs):
-        role = _role(self)
-        if role.count == 1 or role.is_chief:
-            return original(self, *args, **kwargs)
-        tmp = _private_dir(role)
-        try:
-            with compat.keras_backup_and_restore_writing_to(self, tmp):
+def _save_privately_off_chief(writing_to):
+    """A ``_save_model`` wrapper: the chief saves as Keras does; another worker runs the same
+    save into a private temporary directory (``writing_to(callback, dir)``), removed at once."""
+    def make(original):
+        def _save_model(self, *args, **kwargs):
+            role = _role(self)
+            if role.count == 1 or role.is_chief:
                 return original(self, *args, **kwargs)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return _save_model
+            tmp = _private_dir(role)
+            try:
+                with writing_to(self, tmp):
+                    return original(self, *args, **kwargs)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return _save_model
+    return make
+
+
+def _backup_save(original):
+    return _save_privately_off_chief(compat.keras_backup_and_restore_writing_to)(original)
 
 
 def _backup_train_end(original):
@@ -71,17 +79,7 @@ def _backup_train_end(original):
 
 
 def _checkpoint_save(original):
-    def _save_model(self, *args, **kwargs):
-        role = _role(self)
-        if role.count == 1 or role.is_chief:
-            return original(self, *args, **kwargs)
-        tmp = _private_dir(role)
-        try:
-            with compat.keras_model_checkpoint_writing_to(self, tmp):
-                return original(self, *args, **kwargs)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return _save_model
+    return _save_privately_off_chief(compat.keras_model_checkpoint_writing_to)(original)
 
 
 def _csv_train_begin(original):
