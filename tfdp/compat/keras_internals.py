@@ -16,8 +16,8 @@ from tfdp.compat.tf_internals import _context, _values
 
 # --- Keras 3 internals (the TensorFlow backend) --------------------------------------------------
 #
-# tfdp's gradient path (``tfdp.gradient_path``) acts at four places inside Keras, each a private
-# name listed here and checked by ``tests/test_private_names.py`` against the installed Keras:
+# tfdp's gradient path (``tfdp.keras.gradient_path``) acts at four places inside Keras, each a
+# private name listed here (and in names.py), checked by ``tests/test_compat.py``:
 #
 #   keras.src.losses.loss.scale_loss_for_distribution / unscale_loss_for_distribution
 #       every Keras loss passes through them (Loss.__call__'s mean reduction, compile()'s losses,
