@@ -119,8 +119,8 @@ def test_accumulation_with_fp16_compression_converges_close():
 
 def test_uneven_micro_batches_equal_one_device_accumulation():
     # Last micro-batch: 2 examples over 4 replicas (two replicas empty). Each replica's loss
-    # carries its share of the micro-batch (tfdp.keras.gradient_path), so every micro-step's gradient
-    # is that micro-batch's mean, exactly as one device accumulating the same micro-batches.
+    # carries its share of the micro-batch (tfdp.keras.gradient_path), so every micro-step's
+    # gradient is that micro-batch's mean, exactly as one device accumulating the same micro-batches.
     # (Before the gradient path this was refused with an error naming drop_remainder=True.)
     x, y = make_data(n=B * 2 + 2)
     for opt, k in (("adam", 2), ("sgd_momentum", 3)):

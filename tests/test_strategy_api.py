@@ -1,4 +1,4 @@
-"""Both strategies take the same arguments, validated at construction, and answer the worker role."""
+"""Both strategies take the same arguments, validated at construction, and tell the worker role."""
 
 import inspect
 

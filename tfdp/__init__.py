@@ -7,11 +7,11 @@ TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_c
 works before the TF runtime starts.
 
 Import-time effects: one warning when the installed TensorFlow or Keras is outside the tested
-range (``tfdp.compat.names``, read from package metadata); and when ``TFDP_CPU_REPLICAS`` is set, the host CPU is split into that
-many logical devices before TensorFlow's runtime starts (now if TensorFlow is already imported,
-else right after it is), so a script may build datasets, tensors and seeds before creating the
-strategy (``tfdp.devices.apply_cpu_replicas_env_early``). ``import tfdp`` never imports
-TensorFlow itself.
+range (``tfdp.compat.names``, read from package metadata); and when ``TFDP_CPU_REPLICAS`` is
+set, the host CPU is split into that many logical devices before TensorFlow's runtime starts
+(now if TensorFlow is already imported, else right after it is), so a script may build datasets,
+tensors and seeds before creating the strategy (``tfdp.devices.apply_cpu_replicas_env_early``).
+``import tfdp`` never imports TensorFlow itself.
 """
 
 from tfdp._version import __version__
