@@ -408,7 +408,8 @@ def _read_backup(backup_dir: str) -> dict:
                                                     "num_optimizer_variables",
                                                     "num_metric_variables"))
     try:
-        with np.load(os.path.join(backup_dir, str(meta.get("state"))), allow_pickle=False) as f:
+        state_file = os.path.join(backup_dir, str(meta.get("state")))
+        with np.load(state_file, allow_pickle=False) as f:
             arrays = [f[k] for k in f.files]
         info["state_loads"] = len(arrays) == expected and all(
             np.all(np.isfinite(a)) for a in arrays if a.dtype.kind == "f")
