@@ -137,10 +137,11 @@ def test_stopped_worker_is_detected_and_named(tmp_path):
     # the survivor found it by itself (no launcher needed), in one line ...
     assert re.search(r"^\[worker 0\] tfdp: peer failure: worker 1 \(127\.0\.0\.1:\d+\) has "
                      r"stopped responding \(no heartbeat for 6 s", text, re.M), text
-    # ... which the launcher repeats, naming the stuck worker first
+    # ... which the launcher repeats, naming the stuck worker first (it stops the job 0.5 s after
+    # that report when the reporting worker is slow to exit)
     assert re.search(r"^tfdp launch: worker 1 \(127\.0\.0\.1:\d+\) has stopped responding .*; "
-                     r"reported by worker 0 \(127\.0\.0\.1:\d+\), which failed with exit code 1",
-                     text, re.M), text
+                     r"reported by worker 0 \(127\.0\.0\.1:\d+\), which (failed with exit code 1|"
+                     r"was still exiting)", text, re.M), text
     assert seconds < 20, f"took {seconds:.1f} s after the failure:\n{text}"
     assert _gone(pid), "the stopped worker was left behind"
 
