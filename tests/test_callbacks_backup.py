@@ -21,19 +21,7 @@ KILL_AT = 9                             # global step 9 = epoch 1, step 3
 SAVE_FREQ = 2                           # last backup before the kill: global step 8 (epoch 1, 2)
 
 
-@pytest.fixture(autouse=True)
-def _collect_dead_models():
-    """Models abandoned in an exception (the simulated crashes) are collected before the next
-    test traces its step: tfdp's padded step captures every live metric variable of the
-    strategy (reported against tfdp/strategy/extended.py), so one deleted later breaks it."""
-    import gc
-    gc.collect()
-    yield
-    gc.collect()
-
-
-class Interrupt(Exception):
-    pass
+from helpers import Interrupt, collect_dead_models  # noqa: E402,F401  (autouse fixture)
 
 
 def make_callbacks():

@@ -24,19 +24,7 @@ N, BATCH, EPOCHS = 100, 20, 3     # 5 steps per epoch, 15 in all
 SEED = 11
 
 
-@pytest.fixture(autouse=True)
-def _collect_dead_models():
-    """Models abandoned in an exception (the simulated crashes) are collected before the next
-    test traces its step: tfdp's padded step captures every live metric variable of the
-    strategy (reported against tfdp/strategy/extended.py), so one deleted later breaks it."""
-    import gc
-    gc.collect()
-    yield
-    gc.collect()
-
-
-class Interrupt(Exception):
-    pass
+from helpers import Interrupt, collect_dead_models  # noqa: E402,F401  (autouse fixture)
 
 
 def kill_at(step, how="raise"):
