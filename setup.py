@@ -34,6 +34,11 @@ TF_RANGE = ">=2.19,<2.22"
 KERAS_RANGE = ">=3.12,<3.16"
 TF_REQ = ("tensorflow-cpu" if _tf_flavour == "cpu" else "tensorflow[and-cuda]") + TF_RANGE
 
+# The documentation site (mkdocs.yml): MkDocs + Material + mkdocstrings, pinned so that
+# `mkdocs build --strict` (tests/test_docs.py, in the test extra) sees the same warnings everywhere.
+DOCS_REQ = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8",
+            "mkdocstrings-python==2.0.11"]
+
 setup(
     name="tfdp",
     version=VERSION,
@@ -51,10 +56,13 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn", "matplotlib",
-                 "pyyaml"],
+                 "pyyaml"] + DOCS_REQ,
+        "docs": DOCS_REQ,
         "data": ["tensorflow-datasets"],
         "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
+        # Ray Train integration (tfdp.ray, tests/test_ray.py); tested with Ray 2.60.
+        "ray": ["ray[train]>=2.60"],
     },
     entry_points={"console_scripts": ["tfdp=tfdp.cli:main"]},
 )

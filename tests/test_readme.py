@@ -8,13 +8,14 @@ The commands are extracted from README.md's fenced shell blocks (```bash, ```sh,
   (FULL below: they must meet their targets, exit 0);
 * ``python examples/X.py``: a wrapper of a config gets ``--tiny``, a script ``--epochs 1``;
 * ``pip install -e ".[extra]"``: not run (the test runs inside that install); the extra must exist
-  in setup.py. ``pytest``: not run (this is it);
+  in setup.py. ``pytest``: not run (this is it). ``mkdocs serve`` / ``mkdocs build``: not run
+  here; tests/test_docs.py builds the site with --strict and opens it in a browser;
 * a block right after an ``<!-- readme-test: skip (reason) -->`` line is not run (two real hosts,
   SLURM, a GPU install): the reason must be given.
 
-Until README.md carries the passages of /tmp/readme/newcomer.md (merged by the lead), the
-``python train.py`` placeholder of the launcher section fails here on purpose: README commands
-must run as written. ``TFDP_README=path`` points the test at another copy of the README.
+The README's other code blocks (the two-line change) run in tests/test_docs.py with the docs'
+blocks, which reuses this module's extraction and command plans. ``TFDP_README=path`` points the
+test at another copy of the README.
 """
 
 import os
@@ -30,15 +31,16 @@ README = os.environ.get("TFDP_README") or os.path.join(ROOT, "README.md")
 SHELL_FENCES = ("bash", "sh", "shell", "console")
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<why>[^)]+)\)\s*-->")
 
-# Run as written (the README quotes their results and times); every other tfdp train: --tiny.
+# Run as written (the docs quote their results and times); every other tfdp train: --tiny.
 FULL = {
     "tfdp train configs/quickstart.toml",
     "tfdp train configs/resnet_cifar10.toml --set train.epochs=1 --baseline",
 }
 
 
-def _blocks(text):
-    """``[(first line number, block text, skip reason or None)]`` of the shell blocks."""
+def code_blocks(text, skip=SKIP):
+    """``[(first line number, language, block text, skip reason or None)]`` of every fenced
+    block; the skip reason comes from a ``skip`` marker on the last non-blank line before it."""
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^```(\w+)\s*$", lines[i])
@@ -50,14 +52,19 @@ def _blocks(text):
         while j < len(lines) and not lines[j].startswith("```"):
             j += 1
         before = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        skip = SKIP.search(before)
-        if lang in SHELL_FENCES:
-            out.append((start + 1, "\n".join(lines[start:j]), skip.group("why") if skip else None))
+        why = skip.search(before)
+        out.append((start + 1, lang, "\n".join(lines[start:j]), why.group("why") if why else None))
         i = j + 1
     return out
 
 
-def _commands(block):
+def _blocks(text):
+    """``[(first line number, block text, skip reason or None)]`` of the shell blocks."""
+    return [(line, block, why) for line, lang, block, why in code_blocks(text)
+            if lang in SHELL_FENCES]
+
+
+def shell_commands(block):
     """Shell words of each command of a block (comments dropped, ``\\`` continuations joined,
     ``&&`` chains split)."""
     text = re.sub(r"\\\n", " ", block)
@@ -78,6 +85,9 @@ def _commands(block):
             else:
                 cur.append(w)
     return cmds
+
+
+_commands = shell_commands
 
 
 def _readme_commands():
@@ -108,40 +118,50 @@ def _is_wrapper(script):
     return "run_config(" in text or "cli_main(" in text
 
 
-def _runnable(words):
-    """(argv to run, extra env, timeout) for a README command; None: checked, not run."""
+def _check_extras(argv):
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+        setup = f.read()
+    for spec in argv[2:]:
+        for extra in re.findall(r"\[([\w,]+)\]", spec):
+            for e in extra.split(","):
+                assert f'"{e}"' in setup, f"installs extra {e!r}, not in setup.py"
+
+
+def runnable(words, full=FULL):
+    """(argv to run, extra env, timeout) for a shell command; None: checked, not run."""
     env, argv = _split_env(list(words))
     if argv[:2] == ["pip", "install"]:
-        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
-            setup = f.read()
-        for spec in argv[2:]:
-            for extra in re.findall(r"\[([\w,]+)\]", spec):
-                for e in extra.split(","):
-                    assert f'"{e}"' in setup, f"README installs extra {e!r}, not in setup.py"
+        _check_extras(argv)
         return None
     if argv == ["pytest"] or argv[:1] == ["pytest"]:
         return None
+    if argv[:1] == ["mkdocs"]:   # tests/test_docs.py builds the site (--strict) and browses it
+        assert argv[1:2] in (["serve"], ["build"]), f"unknown mkdocs command: {argv}"
+        assert os.path.isfile(os.path.join(ROOT, "mkdocs.yml")), "mkdocs.yml is missing"
+        return None
     text = shlex.join(argv)
-    tiny = text not in FULL
+    tiny = text not in full
     train_at = None
     for k in range(len(argv)):
         if argv[k:k + 2] == ["tfdp", "train"] or argv[k:k + 3] == ["python", "-m", "tfdp"] \
                 and argv[k + 3:k + 4] == ["train"]:
             train_at = k
-    if train_at is not None:
+    if any(a in ("--help", "-h", "--keys") for a in argv):
+        timeout = 120
+    elif train_at is not None:
         if tiny and "--tiny" not in argv:
             argv = argv + ["--tiny"]
         timeout = 280 if "launch" in argv[:train_at] else (240 if not tiny else 180)
     elif argv[:1] == ["python"] and len(argv) > 1 and argv[1].endswith(".py"):
         assert os.path.isfile(os.path.join(ROOT, argv[1])), \
-            f"README runs {argv[1]}, which does not exist: {text}"
+            f"runs {argv[1]}, which does not exist: {text}"
         argv = argv + (["--tiny"] if _is_wrapper(argv[1]) else ["--epochs", "1"])
         timeout = 240
     elif argv[:2] == ["tfdp", "launch"]:
         i = argv.index("--")
         script = argv[i + 2] if argv[i + 1:i + 2] == ["python"] else None
         assert script is None or os.path.isfile(os.path.join(ROOT, script)), \
-            f"README runs {script}, which does not exist: {text}"
+            f"runs {script}, which does not exist: {text}"
         if script and "--epochs" in argv:
             argv[argv.index("--epochs") + 1] = "1"
         timeout = 280
@@ -155,15 +175,12 @@ def _runnable(words):
     return argv, env, timeout
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("words,skip", _readme_commands())
-def test_readme_command_runs_as_written(words, skip):
-    if skip is not None:
-        assert len(skip.strip()) > 5, "a skipped README block says why"
-        pytest.skip(f"README block not run here: {skip}")
-    plan = _runnable(words)
+_runnable = runnable
+
+
+def run_as_written(words, full=FULL):
+    """Run one shell command (its plan from :func:`runnable`) and check it did its job."""
+    plan = runnable(words, full)
     if plan is None:
         return
     argv, extra_env, timeout = plan
@@ -173,9 +190,21 @@ def test_readme_command_runs_as_written(words, skip):
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                        env=env, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, (shlex.join(words), p.stdout[-3000:], p.stderr[-3000:])
-    if words and "train" in words and "launch" not in words:
+    quick = any(a in ("--help", "-h", "--keys") for a in words)
+    if words and "train" in words and "launch" not in words and not quick:
         assert "tfdp train:" in p.stdout and "final metrics" in p.stdout, p.stdout[-3000:]
         assert "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("words,skip", _readme_commands())
+def test_readme_command_runs_as_written(words, skip):
+    if skip is not None:
+        assert len(skip.strip()) > 5, "a skipped README block says why"
+        pytest.skip(f"README block not run here: {skip}")
+    run_as_written(words)
 
 
 def test_readme_has_commands_and_every_skip_says_why():
@@ -186,3 +215,19 @@ def test_readme_has_commands_and_every_skip_says_why():
     assert "tfdp train configs/quickstart.toml" in text
     for m in re.finditer(r"<!--\s*readme-test:[^>]*-->", text):
         assert SKIP.match(m.group(0)), f"malformed marker {m.group(0)!r}"
+
+
+def test_readme_starts_with_the_two_commands_and_states_the_suite_time_by_them():
+    """A newcomer reads the two commands first, each with its install step, and the test
+    suite's duration right after them (not hundreds of lines further)."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    first = code_blocks(text)[0]
+    assert first[1] == "bash", first
+    cmds = shell_commands(first[2])
+    assert cmds == [["pip", "install", "-e", ".[examples]"],
+                    ["tfdp", "train", "configs/quickstart.toml"],
+                    ["pip", "install", "-e", ".[test]"], ["pytest"]], cmds
+    after = text[text.index("```", text.index("```") + 3) + 3:][:600]
+    assert re.search(r"\d+ minutes", after), f"no suite duration by the test command: {after!r}"
+    assert len(text.splitlines()) < 250, "the README is for a five-minute read: move it to docs/"
