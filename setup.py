@@ -61,6 +61,8 @@ setup(
         "data": ["tensorflow-datasets"],
         "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
+        # Ray Train integration (tfdp.ray, tests/test_ray.py); tested with Ray 2.60.
+        "ray": ["ray[train]>=2.60"],
     },
     entry_points={"console_scripts": ["tfdp=tfdp.cli:main"]},
 )
