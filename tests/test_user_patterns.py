@@ -19,7 +19,7 @@ import pytest
 
 from tfdp.bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, get_row,
                                  reference, run_row)
-from tfdp.testing import parse_results, run_workers
+from tfdp.testing import run_workers
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 
@@ -70,28 +70,49 @@ assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
 import dataclasses
 from tfdp.bench.patterns import get_row, reference, run_row
 from tfdp.testing import emit_result
-row = get_row(os.environ["PATTERN_ROW"])
-ref = reference(row)  # one device, no strategy, outside any scope, in this worker process
-res = run_row(row, lambda: strategy, ref)
-emit_result(dataclasses.asdict(res), rank=strategy.cluster.rank,
-            replicas=strategy.num_replicas_in_sync)
+for name in os.environ["PATTERN_ROWS"].split(","):
+    row = get_row(name)
+    ref = reference(row)  # one device, no strategy, outside any scope, in this worker process
+    res = run_row(row, lambda: strategy, ref)
+    emit_result(dataclasses.asdict(res), rank=strategy.cluster.rank,
+                replicas=strategy.num_replicas_in_sync)
 """
+
+# One 2-worker job per group of rows (a cluster's start-up costs more than a row).
+GROUPS = {"core": MULTIWORKER_ROWS[:4], "losses": MULTIWORKER_ROWS[4:]}
+
+
+def _all_results(outputs):
+    import json
+
+    from tfdp.testing import RESULT_MARK
+    return [[json.loads(ln[len(RESULT_MARK):]) for ln in out.splitlines()
+             if ln.startswith(RESULT_MARK)] for out in outputs]
+
+
+def test_groups_cover_the_multiworker_rows():
+    assert [r for g in GROUPS.values() for r in g] == MULTIWORKER_ROWS
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", MULTIWORKER_ROWS)
-def test_row_two_workers_equal_single_device(name):
-    outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=200,
-                          env={"PATTERN_ROW": name, "CUDA_VISIBLE_DEVICES": ""})
-    results = parse_results(outputs)
-    assert [r["rank"] for r in results] == [0, 1]
-    for r in results:
-        assert r.pop("replicas") == 4
-        r.pop("rank")
-        assert_exact(RowResult(**r))
-    # weights bitwise identical on both workers
-    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_rows_two_workers_equal_single_device(group):
+    names = GROUPS[group]
+    outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=500,
+                          env={"PATTERN_ROWS": ",".join(names), "CUDA_VISIBLE_DEVICES": ""})
+    per_worker = _all_results(outputs)
+    assert [len(rs) for rs in per_worker] == [len(names)] * 2, outputs
+    for i, name in enumerate(names):
+        results = [rs[i] for rs in per_worker]
+        assert [r["rank"] for r in results] == [0, 1]
+        for r in results:
+            assert r.pop("replicas") == 4
+            r.pop("rank")
+            assert r["row"] == name
+            assert_exact(RowResult(**r))
+        # weights bitwise identical on both workers
+        assert results[0]["weights_sha256"] == results[1]["weights_sha256"], name
 
 
 # --- tfdp bench patterns -------------------------------------------------------------------------

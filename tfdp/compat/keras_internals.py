@@ -22,6 +22,12 @@ from tfdp.compat.tf_internals import _context, _values
 #   keras.src.losses.loss.scale_loss_for_distribution / unscale_loss_for_distribution
 #       every Keras loss passes through them (Loss.__call__'s mean reduction, compile()'s losses,
 #       the model's regularization losses, the loss trackers): replica r's share of the batch.
+#   keras.src.losses.loss.reduce_weighted_values (with standardize_reduction, apply_mask,
+#   squeeze_or_expand_to_same_rank)
+#       Loss.__call__ divides there: masked means, sample-weight means, sums and scalars get a
+#       divisor counted across replicas (tfdp.keras.losses).
+#   keras.src.metrics.reduction_metrics.Mean.update_state
+#       a user's tracker of a scalar loss is weighted by the replica's share of the batch.
 #   BaseOptimizer.apply, LossScaleOptimizer.apply
 #       the entry of every optimizer update (apply_gradients calls apply): reduce first.
 #   BaseOptimizer._clip_gradients
@@ -46,10 +52,15 @@ def keras_hook_points():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.losses import loss as loss_module
+    from keras.src.metrics import reduction_metrics
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer
     return {
         "scale_loss": (loss_module, "scale_loss_for_distribution"),
         "unscale_loss": (loss_module, "unscale_loss_for_distribution"),
+        "reduce_weighted_values": (loss_module, "reduce_weighted_values"),
+        "mean_update_state": (reduction_metrics.Mean, "update_state"),
+        # (TensorFlow's public GradientTape: a hand-written loss in a Keras step function)
+        "tape_gradient": (tf.GradientTape, "gradient"),
         "apply": (base_optimizer.BaseOptimizer, "apply"),
         "loss_scale_apply": (loss_scale_optimizer.LossScaleOptimizer, "apply"),
         "clip_gradients": (base_optimizer.BaseOptimizer, "_clip_gradients"),
@@ -57,6 +68,15 @@ def keras_hook_points():
         "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
         "make_function": (tf_trainer.TensorFlowTrainer, "_make_function"),
     }
+
+
+def keras_loss_reduction():
+    """(keras.ops, standardize_reduction, apply_mask, squeeze_or_expand_to_same_rank): the
+    helpers Keras's ``reduce_weighted_values`` is built from (keras.src.losses.loss)."""
+    from keras import ops
+    from keras.src.losses import loss as loss_module
+    return (ops, loss_module.standardize_reduction, loss_module.apply_mask,
+            loss_module.squeeze_or_expand_to_same_rank)
 
 
 def keras_builtin_train_step():

@@ -4,18 +4,16 @@ Keras 3 on TensorFlow decides three things that tf.distribute strategies get wro
 at exactly those places (the Keras internals involved are listed, and checked against the
 installed Keras, in ``tfdp.compat.keras_hook_points``):
 
-1. **The loss carries each replica's share of the batch.** Every Keras loss passes through
-   ``scale_loss_for_distribution`` (``Loss.__call__``'s mean reduction, ``compile()``'s losses,
-   the model's regularization losses), which multiplies replica r's local mean by 1/N so that the
-   SUM of the replicas' gradients is the global-batch mean gradient. That holds only when every
-   replica has B/N examples. During a tfdp step the factor is replica r's share of the global
-   batch instead, ``n_r / sum(n)`` (the sum over every replica of every worker, an empty replica
-   has share 0), and ``unscale_loss_for_distribution`` divides by the same share (loss
-   trackers). The sum of the replicas' gradients is then the global-batch mean for any split, so
-   every gradient all-reduce is a plain SUM: any optimizer, several per step, any variable order
-   or subset, accumulation, loss scaling. No reduction is classified or weighted by tfdp; a loss
-   computed by hand without Keras's losses is summed over replicas, exactly as tf.distribute
-   documents it (scale it yourself, e.g. ``tf.nn.compute_average_loss``).
+1. **Each replica's loss contributes its part of the one-device gradient.** Keras multiplies
+   every replica's mean loss by 1/N (``scale_loss_for_distribution``), which is the one-device
+   gradient only when every replica has B/N examples and the loss divides by its example count.
+   During a tfdp step each loss's gradient carries the replica's share of whatever one device
+   divides by: its share of the global batch, ``n_r / sum(n)``, for means over elements, and a
+   divisor counted across every replica of every worker for masked and sample-weight means
+   (``tfdp.keras.losses``, which also makes the values users read equal one device's). The sum
+   of the replicas' gradients is then the global-batch gradient for any split, so every gradient
+   all-reduce is a plain SUM: any optimizer, several per step, any variable order or subset,
+   accumulation, loss scaling.
 
 2. **The optimizer sees the reduced gradient.** Keras clips (``_clip_gradients``) and
    ``LossScaleOptimizer`` checks for inf/NaN *before* Keras's own all-reduce
@@ -53,34 +51,11 @@ import weakref
 import tensorflow as tf
 
 from tfdp import compat as tfp
+from tfdp.keras import losses
+from tfdp.keras.step import Step, current_step  # noqa: F401 (the strategy's names)
+from tfdp.keras.step import current as _current
 
 SUM = tf.distribute.ReduceOp.SUM
-
-
-class Step:
-    """One ``strategy.run`` call while it is traced (or run eagerly).
-
-    Attributes:
-      shares: per local replica, ``n_r / sum(n)`` as a float32 scalar tensor (None: no batch was
-        found in the step's arguments; Keras's 1/N applies).
-      live, masks: per local replica, whether it has examples, as a bool and as 1.0 / 0.0
-        (None with ``shares``).
-      applies: local replica id -> the ``_Apply`` of that replica's outermost ``optimizer.apply``.
-      optimizers: the optimizers that applied gradients in this step, in order.
-    """
-
-    def __init__(self, shares):
-        self.shares = shares
-        # whether each replica has examples, and the same as 1.0 / 0.0: an empty replica's
-        # gradients are zeroed in the reduction (an empty batch can give NaN statistics)
-        self.live = None if shares is None else [s > 0 for s in shares]
-        self.masks = None if shares is None else [tf.cast(v, tf.float32) for v in self.live]
-        self.padded = False  # whether empty replicas got one example (strategy's padding)
-        # local replica id -> [(optimizer, grads, variables)] while that replica's XLA-compiled
-        # step is traced: its optimizer updates wait until the compiled part has returned
-        self.deferred: dict[int, list] = {}
-        self.applies: dict[int, _Apply] = {}
-        self.optimizers: list = []
 
 
 class _Apply:
@@ -110,27 +85,6 @@ def linear_in_gradient(optimizer) -> bool:
         return False
     return all(getattr(optimizer, a, None) is None
                for a in ("clipnorm", "clipvalue", "global_clipnorm"))
-
-
-def _current():
-    """(extended, step, local replica id) inside a replica function of a tfdp step, else None."""
-    if not tf.distribute.has_strategy():
-        return None
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:
-        return None
-    extended = ctx.strategy.extended
-    step = getattr(extended, "tfdp_step", None)
-    if step is None:
-        return None
-    return extended, step, tfp.current_replica_id()
-
-
-def _share():
-    cur = _current()
-    if cur is None or cur[1].shares is None:
-        return None
-    return cur[1].shares[cur[2]]
 
 
 def _open_apply():
@@ -171,26 +125,6 @@ def zero_if_empty(grads, mask):
 
 
 # --- the hooks (installed once, by the first tfdp strategy) -----------------------------------
-
-def _scale_loss(original):
-    def scale_loss_for_distribution(value):
-        share = _share()
-        if share is None:
-            return original(value)
-        value = tf.convert_to_tensor(value)
-        return value * tf.cast(share, value.dtype)
-    return scale_loss_for_distribution
-
-
-def _unscale_loss(original):
-    def unscale_loss_for_distribution(value):
-        share = _share()
-        if share is None:
-            return original(value)
-        value = tf.convert_to_tensor(value)
-        return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
-    return unscale_loss_for_distribution
-
 
 def _apply(original):
     def apply(self, grads, trainable_variables=None):
@@ -369,8 +303,9 @@ class _ReplicaXlaStep:
         try:
             logs, grads = fn(data)
         except Exception:
-            if extended.tfdp_xla_refusal is not None:  # (autograph wrapped it in StagingError)
-                raise extended.tfdp_xla_refusal from None
+            refusal = extended.tfdp_xla_refusal
+            if refusal is not None:  # (autograph wrapped it in StagingError and annotated it)
+                raise type(refusal)(*refusal.args) from None
             raise
         i = 0
         for optimizer, n, variables in self.applies[replica]:
@@ -393,9 +328,10 @@ def _make_function(original):
     def make_function(self, step_function):
         strategy = self.distribute_strategy
         extended = getattr(strategy, "extended", None)
-        if not (self.jit_compile and hasattr(extended, "tfdp_step")
-                and not extended.whole_step_xla_possible()):
+        if not hasattr(extended, "tfdp_step"):
             return original(self, step_function)
+        if not (self.jit_compile and not extended.whole_step_xla_possible()):
+            return original(self, losses.keras_step(step_function))
         if (step_function == self.train_step
                 and getattr(step_function, "__func__", None) is not tfp.keras_builtin_train_step()):
             extended.refuse_xla("a custom train_step (tfdp compiles each replica's step with "
@@ -404,15 +340,14 @@ def _make_function(original):
         previous = self._jit_compile
         self._jit_compile = False  # the outer step is not compiled: each replica's is
         try:
-            return original(self, _ReplicaXlaStep(step_function))
+            return original(self, _ReplicaXlaStep(losses.keras_step(step_function)))
         finally:
             self._jit_compile = previous
     return make_function
 
 
 _HOOKS = {
-    "scale_loss": _scale_loss,
-    "unscale_loss": _unscale_loss,
+    **losses.HOOKS,  # what a replica's loss is worth (tfdp.keras.losses)
     "apply": _apply,
     "loss_scale_apply": _apply,
     "clip_gradients": _clip_gradients,
@@ -441,16 +376,6 @@ def install() -> None:
             tfp.wrap_keras(_HOOKS)
             tfp.wrap_keras_perf(_PERF_HOOKS)
             _installed = True
-
-
-@contextlib.contextmanager
-def current_step(extended, step):
-    """Make ``step`` the extended's current step for the duration of a strategy.run."""
-    extended.tfdp_step = step
-    try:
-        yield step
-    finally:
-        extended.tfdp_step = None
 
 
 __all__ = ["Step", "install", "current_step", "reduce_gradients", "in_keras_symbolic_build",

@@ -12,8 +12,9 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes fo
 
 1. Reduction is tfdp's own (``tfdp.reduce``): fused buckets, NCCL/ring/tree, compression.
 2. The step is the global-batch step, for the Keras code users write (``tfdp.keras.gradient_path``):
-   each replica's Keras loss carries its share of the global batch (``n_r / sum(n)``, not 1/N),
-   so every gradient all-reduce is a plain sum and uneven or empty replica batches are exact;
+   each replica's Keras loss gradient carries its share of what one device divides by (examples,
+   valid elements under a mask, the sum of sample weights: ``tfdp.keras.losses``), not 1/N, so
+   every gradient all-reduce is a plain sum and uneven or empty replica batches are exact;
    each optimizer reduces its gradients when ``apply`` starts, so clipping, loss-scale checks and
    updates see the global gradient, as on one device. Built-in or custom ``train_step``, several
    optimizers, any variable order, ``steps_per_execution``, ``LossScaleOptimizer``.

@@ -19,8 +19,8 @@ How it is built (TF 2.21):
   exactly one replica of one worker), initial variable values are broadcast from worker 0, and the
   gRPC server / collective runtime are started as by TF.
 * Its extended subclasses TF's ``CollectiveAllReduceExtended`` (which only ever uses CPU:0 or
-  the GPUs of a worker) to use the worker's K local devices, and tfdp's ``_DataParallelExtended``
-  (Keras train-step detection, uneven-batch gradient weights, BatchNorm-statistics sync).
+  the GPUs of a worker) to use the worker's K local devices, and tfdp's ``DataParallelExtendedBase``
+  (the Keras step path: replica shares, empty replicas, BatchNorm-statistics sync).
 * Reduction (:class:`MultiWorkerReduce`) is hierarchical: the K local values are summed first
   (packed into buckets, ``tfdp.reduce.packing``; weighted; optionally compressed), then summed
   across workers by one TF collective per bucket (``CollectiveReduceV2``, RING on CPU with
@@ -29,9 +29,9 @@ How it is built (TF 2.21):
   worker all-reduces chunk c, i.e. K concurrent cross-worker collectives, then a local all-gather.
   ``tf.IndexedSlices`` (embedding gradients) are all-gathered: locally, then across workers
   (padded to the longest worker's slice count, then unpadded).
-* Uneven batches stay exact across workers: replica r's gradient weight is ``n_r * N / sum(n)``
-  with the sum over all N replicas of all workers (a cross-worker all-reduce of each worker's
-  local example count, inside the train step).
+* Uneven batches stay exact across workers: replica r's loss gradient carries its share of
+  what one device divides by, counted over all N replicas of all workers (the global example
+  count, or a masked / weighted-mean loss's divisor: ``tfdp.keras.losses``).
 * Never hang: a dead, killed, SIGSTOPped or unreachable worker is detected by TF's coordination
   service heartbeats (``heartbeat_timeout``, default 6 s, ``TFDP_HEARTBEAT_TIMEOUT``); the
   other workers' collectives then fail and each worker prints one line, after the traceback,

@@ -1,0 +1,86 @@
+"""One ``strategy.run`` of a tfdp strategy as the Keras hooks see it: the ``Step`` and where the
+calling replica stands in it (``current``).
+
+The strategy (``tfdp.strategy.extended``) makes a ``Step`` for every ``strategy.run`` and makes it
+current while the replica functions are traced; the gradient path (``gradient_path``) and the
+loss semantics (``losses``) read it from inside the replica functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from tfdp import compat as tfp
+
+
+class Step:
+    """One ``strategy.run`` call while it is traced (or run eagerly).
+
+    Attributes:
+      shares: per local replica, ``n_r / sum(n)`` as a float32 scalar tensor (None: no batch was
+        found in the step's arguments; Keras's 1/N applies).
+      live, masks: per local replica, whether it has examples, as a bool and as 1.0 / 0.0
+        (None with ``shares``).
+      applies: local replica id -> the ``_Apply`` of that replica's outermost ``optimizer.apply``.
+      optimizers: the optimizers that applied gradients in this step, in order.
+      keras_steps: the local replicas running a Keras step function (``train_step``, custom or
+        not, ``test_step``, ``predict_step``), where Keras's one-device conventions apply to a
+        hand-written loss (``tfdp.keras.losses``).
+      weighted: local replica id -> the loss values tfdp's loss semantics made (graph tensors'
+        refs; in eager mode the replica is a key with an empty set).
+    """
+
+    def __init__(self, shares):
+        self.shares = shares
+        # whether each replica has examples, and the same as 1.0 / 0.0: an empty replica's
+        # gradients are zeroed in the reduction (an empty batch can give NaN statistics)
+        self.live = None if shares is None else [s > 0 for s in shares]
+        self.masks = None if shares is None else [tf.cast(v, tf.float32) for v in self.live]
+        self.padded = False  # whether empty replicas got one example (strategy's padding)
+        # local replica id -> [(optimizer, grads, variables)] while that replica's XLA-compiled
+        # step is traced: its optimizer updates wait until the compiled part has returned
+        self.deferred: dict[int, list] = {}
+        self.applies: dict = {}
+        self.optimizers: list = []
+        self.keras_steps: set[int] = set()
+        self.weighted: dict[int, set] = {}
+
+
+@tf.autograph.experimental.do_not_convert  # (called from tfdp's per-replica XLA step)
+def current():
+    """(extended, step, local replica id) inside a replica function of a tfdp step, else None."""
+    if not tf.distribute.has_strategy():
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        return None
+    extended = ctx.strategy.extended
+    step = getattr(extended, "tfdp_step", None)
+    if step is None:
+        return None
+    return extended, step, tfp.current_replica_id()
+
+
+@tf.autograph.experimental.do_not_convert
+def share():
+    """The calling replica's share of the global batch (a scalar tensor), or None outside a tfdp
+    step with a batch."""
+    cur = current()
+    if cur is None or cur[1].shares is None:
+        return None
+    return cur[1].shares[cur[2]]
+
+
+@contextlib.contextmanager
+def current_step(extended, step):
+    """Make ``step`` the extended's current step for the duration of a strategy.run."""
+    extended.tfdp_step = step
+    try:
+        yield step
+    finally:
+        extended.tfdp_step = None
+
+
+__all__ = ["Step", "current", "share", "current_step"]
