@@ -330,6 +330,38 @@ def wrap_keras_perf(hooks) -> None:
     wrap(keras_perf_hook_points(), hooks)
 
 
+# --- zero: Keras internals of sharded optimizer state (issue 20, tfdp.zero) ------------------
+#
+#   BaseOptimizer.build: every optimizer's build (subclasses call it first): the owner plan is
+#       made there, before the slots exist.
+#   BaseOptimizer._backend_apply_gradients: after build, before any update: refuse what cannot
+#       be sharded exactly.
+#   BaseOptimizer.apply, LossScaleOptimizer.apply: which variable each gradient belongs to
+#       (zero_stage=2 reduces each gradient onto its variable's owner).
+
+def keras_zero_hook_points():
+    """{name: (owner, attribute)} of the Keras internals ``tfdp.zero`` wraps."""
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    return {
+        "build": (base_optimizer.BaseOptimizer, "build"),
+        "backend_apply_gradients": (base_optimizer.BaseOptimizer, "_backend_apply_gradients"),
+        "apply": (base_optimizer.BaseOptimizer, "apply"),
+        "loss_scale_apply": (loss_scale_optimizer.LossScaleOptimizer, "apply"),
+    }
+
+
+def keras_optimizer_built_variables(optimizer):
+    """The variables ``optimizer`` was built with (what ``apply(grads)`` without variables
+    updates), or None."""
+    return getattr(optimizer, "_trainable_variables", None)
+
+
+def wrap_keras_zero(hooks) -> None:
+    """``wrap`` at ``keras_zero_hook_points()`` (its own marker: ``apply`` is also wrapped by the
+    gradient path)."""
+    wrap(keras_zero_hook_points(), hooks, marker="__tfdp_zero_original__")
+
+
 # --- compat-versions (issue #12 item 5): TensorFlow 2.19-2.21, Keras 3.12-3.15 ---------------
 #
 # Every TensorFlow private name tfdp uses (names.py) is the same in TF 2.19.1, 2.20.0 and

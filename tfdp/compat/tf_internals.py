@@ -133,6 +133,11 @@ def mirrored(components):
     return _distribute_utils.regroup(tuple(components), wrap_class=Mirrored)
 
 
+def update_regroup(extended, updates, group):
+    """``extended.update``'s result from per-device results (TF's ``update_regroup``)."""
+    return _distribute_utils.update_regroup(extended, updates, group)
+
+
 def select_replica(replica_id: int, structure):
     """The components of replica ``replica_id`` in a structure of PerReplica values."""
     return _distribute_utils.select_replica(replica_id, structure)

@@ -54,7 +54,7 @@ def divide(t, n):
 
 
 def all_reduce_dense(comps_of, devices, reduce_op, stage, *, group_size, bucket_bytes,
-                     compression=None, weights=None):
+                     compression=None, weights=None, outputs=None):
     """Reduce dense values through buckets.
 
     Args:
@@ -68,8 +68,11 @@ def all_reduce_dense(comps_of, devices, reduce_op, stage, *, group_size, bucket_
       bucket_bytes: fusion capacity (``tfdp.reduce.packing.plan``).
       compression: None, "fp16" or "bf16".
       weights: optional per-replica scalars (one per device) multiplying float values first.
+      outputs: the device positions whose results are wanted (default: all); the stage may
+        return None for the others (a reduction to one device: ``tfdp.reduce.owner``).
     Returns:
-      (results, plan): results[i][r] is value i reduced, on ``devices[r]``; plan is the buckets.
+      (results, plan): results[i][r] is value i reduced, on ``devices[r]`` (None for a position
+      not in ``outputs``); plan is the buckets.
     """
     reduce_op = as_reduce_op(reduce_op)
     specs = [(c[0].dtype, c[0].shape.num_elements(), c[0].dtype.size) for c in comps_of]
@@ -107,6 +110,8 @@ def all_reduce_dense(comps_of, devices, reduce_op, stage, *, group_size, bucket_
         reduced = stage(bufs, list(devices), finish)
         per_value = [[None] * len(devices) for _ in bucket.indices]
         for r, d in enumerate(devices):
+            if outputs is not None and r not in outputs:
+                continue
             with tf.device(d):
                 parts = (packing.unpack(reduced[r], bucket.sizes, shapes) if bucket.fused
                          else [reduced[r]])

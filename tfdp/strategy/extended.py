@@ -95,6 +95,9 @@ class DataParallelExtendedBase:
             ops = strategy.extended._tfdp_reduce
             values = [v if tfp.is_distributed_values(v) else tfp.PerReplica((v,))
                       for v in values]
+            zero = strategy.extended.tfdp_zero
+            if zero is not None and zero.stage == 2:  # each gradient onto its owner only
+                return zero.reduce_gradients(values, masks)
             return ops.batch_reduce_weighted(tf.distribute.ReduceOp.SUM,
                                              [(v, v) for v in values], masks)
 
@@ -303,9 +306,44 @@ class DataParallelExtendedBase:
         reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
         return tf.nest.pack_sequence_as(value, reduced)
 
+    # --- sharded optimizer state (zero_stage, tfdp.zero) --------------------------------------
+
+    @property
+    def tfdp_zero(self):
+        """The ``tfdp.zero.state.ZeroState`` of a strategy with zero_stage 1 or 2, else None."""
+        stage = self.tfdp_settings.zero_stage
+        if not stage:
+            return None
+        zero = self.__dict__.get("_tfdp_zero_state")
+        if zero is None:
+            from tfdp.zero import hooks
+            from tfdp.zero.state import ZeroState
+            hooks.install()
+            zero = self.__dict__["_tfdp_zero_state"] = ZeroState(self, stage)
+        return zero
+
+    def _update(self, var, fn, args, kwargs, group):
+        zero = self.tfdp_zero
+        owner = None if zero is None else zero.owner_of(var)
+        if owner is None:
+            return super()._update(var, fn, args, kwargs, group)
+        return zero.update(var, owner, fn, args, kwargs, group)
+
+    def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
+        zero = self.tfdp_zero
+        owner = None if zero is None else zero.owner_of(var)
+        if owner is None or self._use_merge_call():
+            return super()._replica_ctx_update(var, fn, args, kwargs, group)
+        return zero.replica_update(var, owner, fn, args, kwargs or {})
+
     # --- mirrored means mirrored: layer state ------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
+        zero = self.tfdp_zero
+        if zero is not None:
+            slot = zero.create_slot(next_creator, kwargs)  # one copy, on its owner's device
+            if slot is not None:
+                return slot
         v = super()._create_variable(next_creator, **kwargs)
         if (tfp.is_distributed_values(v) and v.dtype.is_floating and not v.trainable
                 and v.aggregation == tf.VariableAggregation.NONE):

@@ -71,6 +71,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         SGD without clipping).
       collective_timeout, heartbeat_timeout: failure detection across workers (see
         ``MultiWorkerDataParallelStrategy``); validated, and unused, in a single process.
+      zero_stage: 0 | 1 | 2: sharded optimizer state (``tfdp.zero``). 0 (default): every
+        replica keeps the whole optimizer state. 1: each trainable variable has one owner
+        replica that keeps its optimizer slots and applies its update, then copies the new
+        value to every replica (bitwise the same weights as 0). 2: also each gradient is summed
+        onto its owner only. None reads ``TFDP_ZERO_STAGE`` (default 0).
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
         cluster (TF_CONFIG / SLURM are read when it is None).
       cluster: a ``tfdp.cluster.ClusterInfo`` instead of a resolver.
@@ -90,11 +95,12 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
                  compression: str | None = None, sparse: str | None = None,
                  collective_timeout: float | None = None,
-                 heartbeat_timeout: float | None = None, cluster_resolver=None, cluster=None):
+                 heartbeat_timeout: float | None = None, zero_stage: int | None = None,
+                 cluster_resolver=None, cluster=None):
         settings = Settings.from_arguments(
             all_reduce=all_reduce, bucket_bytes=bucket_bytes, compression=compression,
             sparse=sparse, collective_timeout=collective_timeout,
-            heartbeat_timeout=heartbeat_timeout)
+            heartbeat_timeout=heartbeat_timeout, zero_stage=zero_stage)
         self._cluster = self._resolve(cluster_resolver, cluster, devices, settings)
         extended = self._extended_class(self, settings, devices, self._cluster)
         # (MirroredStrategy.__init__ / MultiWorkerMirroredStrategy.__init__ minus their extended)
@@ -145,6 +151,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     @property
     def heartbeat_timeout(self):
         return self.extended.tfdp_settings.heartbeat_timeout
+
+    @property
+    def zero_stage(self) -> int:
+        """0, 1 or 2: how optimizer state is sharded (``tfdp.zero``)."""
+        return self.extended.tfdp_settings.zero_stage
 
     @property
     def cluster(self):

@@ -5,6 +5,7 @@ reduction's (``all_reduce``, ``bucket_bytes``, ``compression``, ``sparse``) and 
 detection's (``collective_timeout``, ``heartbeat_timeout``; they take effect across workers and
 are validated, then unused, in a single process). Each is resolved argument > environment
 variable > default (``TFDP_SPARSE``, ``TFDP_COLLECTIVE_TIMEOUT``, ``TFDP_HEARTBEAT_TIMEOUT``).
+Sharded optimizer state: ``zero_stage`` (``TFDP_ZERO_STAGE``; ``tfdp.zero``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from tfdp import failures
 from tfdp.reduce import registry
 from tfdp.reduce import sparse as sparse_lib
+from tfdp.zero import validate_stage
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,12 @@ class Settings:
     sparse: str                      # "auto", "gather" or "densify"
     collective_timeout: float | None  # seconds; None: off
     heartbeat_timeout: float         # seconds
+    zero_stage: int = 0              # 0, 1 or 2: sharded optimizer state (tfdp.zero)
 
     @classmethod
     def from_arguments(cls, *, all_reduce="auto", bucket_bytes=None, compression=None,
-                       sparse=None, collective_timeout=None, heartbeat_timeout=None):
+                       sparse=None, collective_timeout=None, heartbeat_timeout=None,
+                       zero_stage=None):
         return cls(
             all_reduce=registry.validate_algorithm(all_reduce),
             bucket_bytes=registry.validate_bucket_bytes(bucket_bytes),
@@ -37,7 +41,8 @@ class Settings:
                 collective_timeout, "collective_timeout", failures.COLLECTIVE_TIMEOUT_ENV, None),
             heartbeat_timeout=failures.seconds_setting(
                 heartbeat_timeout, "heartbeat_timeout", failures.HEARTBEAT_TIMEOUT_ENV,
-                failures.DEFAULT_HEARTBEAT_TIMEOUT, off_ok=False))
+                failures.DEFAULT_HEARTBEAT_TIMEOUT, off_ok=False),
+            zero_stage=validate_stage(zero_stage))
 
 
 __all__ = ["Settings"]
