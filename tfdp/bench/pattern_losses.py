@@ -16,6 +16,7 @@ from tfdp.bench.pattern_base import (B_TINY_LAST, B_UNEVEN, EPOCHS, N_TINY_LAST,
                                      Trained, _keras, _mlp, _regression, _scope, _weights)
 
 T, VOCAB, CLASSES = 7, 30, 5  # tokens per sequence, vocabulary (0 = padding), token classes
+EVAL_BATCH = 37  # evaluate()'s batch: 210 -> 5 x 37 + 25 (uneven over 4 replicas)
 
 
 def _sequences(n, seed):
@@ -60,7 +61,7 @@ def _fit_report(strategy, *, model_fn, loss, data, fit_kw=None, eval_kw=None, co
         model.compile(optimizer_fn(), loss=loss, metrics=metrics, **(compile_kw or {}))
     hist = model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
                      **(fit_kw or {})).history
-    ev = model.evaluate(x, y, batch_size=37, verbose=0, return_dict=True, **(eval_kw or {}))
+    ev = model.evaluate(x, y, batch_size=EVAL_BATCH, verbose=0, return_dict=True, **(eval_kw or {}))
     return _report(model, hist, ev)
 
 
@@ -229,7 +230,7 @@ def _custom_step(kind):
         x, y = _regression(N_UNEVEN, seed=43)
         hist = model.fit(x, y, batch_size=B_UNEVEN, epochs=EPOCHS, shuffle=False,
                          verbose=0).history
-        ev = model.evaluate(x, y, batch_size=37, verbose=0, return_dict=True)
+        ev = model.evaluate(x, y, batch_size=EVAL_BATCH, verbose=0, return_dict=True)
         return _report(model, hist, ev)
     return train
 
@@ -277,7 +278,7 @@ def _compute_loss_override(strategy):
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9))
     x, y = _regression(N_UNEVEN, seed=44)
     hist = model.fit(x, y, batch_size=B_UNEVEN, epochs=EPOCHS, shuffle=False, verbose=0).history
-    ev = model.evaluate(x, y, batch_size=37, verbose=0, return_dict=True)
+    ev = model.evaluate(x, y, batch_size=EVAL_BATCH, verbose=0, return_dict=True)
     return _report(model, hist, ev)
 
 
