@@ -41,7 +41,8 @@ def broadcast_local(comps, owner: int):
     return ops
 
 
-def _identity_element(shape, dtype):
+def identity_element(shape, dtype):
+    """``-0.0`` (0 for integers) everywhere: what a non-owner adds to a broadcast sum."""
     if dtype.is_floating:
         return tf.fill(shape, tf.constant(-0.0, dtype))
     return tf.zeros(shape, dtype)
@@ -60,7 +61,7 @@ def replica_broadcast(extended, comp, source: bool, replica: int, worker_rank: i
         if source and worker_rank == 0:
             value = comp.read_value()
         else:
-            value = _identity_element(comp.shape, comp.dtype)
+            value = identity_element(comp.shape, comp.dtype)
 
     def stage(bufs, devs, finish):
         del devs
@@ -127,4 +128,4 @@ def reduce_to_owners(values, owners, devices, *, weights=None, bucket_bytes=0,
     return results
 
 
-__all__ = ["broadcast_local", "reduce_to_owners", "replica_broadcast"]
+__all__ = ["broadcast_local", "identity_element", "reduce_to_owners", "replica_broadcast"]

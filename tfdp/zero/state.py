@@ -29,6 +29,7 @@ spanning every worker: ``tfdp bench zero``; see ``tfdp.zero``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 
@@ -40,6 +41,8 @@ from tfdp.errors import TfdpError, message
 from tfdp.zero import plan as plan_lib
 
 log = logging.getLogger("tfdp")
+
+SPAN_ENV = "TFDP_ZERO_SPAN"  # "job": owners over every worker's replicas (measurement only)
 
 # Slots that stay one copy per replica (Keras names a slot "<variable path>_<name>").
 PER_REPLICA_SLOTS = ("gradient_accumulator", "average")
@@ -73,8 +76,15 @@ class ZeroState:
         self.stage = int(stage)
         self._extended = weakref.ref(extended)
         self.devices = tuple(extended.worker_devices)
+        # Owners span this worker's replicas (the design chosen). TFDP_ZERO_SPAN=job makes them
+        # span every replica of every worker: a measurement mode for ``tfdp bench zero
+        # --workers`` only (stage 1, no accumulation; every worker still holds every slot and
+        # only the owner's worker updates it, so its checkpoints are not whole).
+        workers = extended._num_workers_in_job()  # pylint: disable=protected-access
+        self.span_workers = workers if os.environ.get(SPAN_ENV) == "job" else 1
+        self.num_owners = len(self.devices) * self.span_workers
         self._owners = {}     # id(distributed variable) -> (weakref, owner)
-        self._loads = [0] * len(self.devices)
+        self._loads = [0] * self.num_owners
         self.plans: list[plan_lib.OwnerPlan] = []
         self._slots = []      # weakrefs of the sharded slots (figures, tests)
         self._checked = weakref.WeakSet()
@@ -85,7 +95,7 @@ class ZeroState:
         self._lock = threading.Lock()
 
     def __repr__(self):
-        return f"ZeroState(stage={self.stage}, owners={len(self.devices)})"
+        return f"ZeroState(stage={self.stage}, owners={self.num_owners})"
 
     @property
     def extended(self):
@@ -121,7 +131,7 @@ class ZeroState:
             return
         sizes = [_nbytes(c) for _, c in todo]
         with self._lock:
-            owners = plan_lib.assign_owners(sizes, len(self.devices), self._loads)
+            owners = plan_lib.assign_owners(sizes, self.num_owners, self._loads)
             pending = self._pending.setdefault(id(optimizer), (weakref.ref(optimizer), []))[1]
             for (v, c), size, owner in zip(todo, sizes, owners):
                 self._owners[id(c)] = (weakref.ref(c), owner)
@@ -150,8 +160,9 @@ class ZeroState:
                 else:
                     self._owners.pop(id(c), None)
                     dropped.append(entry)
-            plan = plan_lib.OwnerPlan(len(self.devices), kept, type(o).__name__,
-                                      tuple(devices_lib.short_name(d) for d in self.devices))
+            plan = plan_lib.OwnerPlan(self.num_owners, kept, type(o).__name__, tuple(
+                f"{'' if self.span_workers == 1 else f'w{w}/'}{devices_lib.short_name(d)}"
+                for w in range(self.span_workers) for d in self.devices))
             if dropped:
                 plan.note = (f"{len(dropped)} variable(s) without per-variable optimizer "
                              "state stay updated on every replica")
@@ -179,7 +190,7 @@ class ZeroState:
             return None
         kwargs = dict(kwargs)
         kwargs.pop("colocate_with")
-        with tf.device(self.devices[owner]):
+        with tf.device(self.devices[owner % len(self.devices)]):
             v = next_creator(**kwargs)
         self._slots.append(weakref.ref(v))
         self._slot_count[id(colocate)] = self._slot_count.get(id(colocate), 0) + 1
@@ -253,7 +264,8 @@ class ZeroState:
         """
         ext = self.extended
         ops = ext.tfdp_reduce
-        owners = [self._owner_of_gradient(v) for v in values]
+        owners = [self._owner_of_gradient(v) if self.span_workers == 1 else None
+                  for v in values]
         self._grad_owners.clear()
         owned = [i for i, o in enumerate(owners) if o is not None]
         rest = [i for i, o in enumerate(owners) if o is None]
@@ -284,11 +296,36 @@ class ZeroState:
         """``extended.update`` of an owned variable in cross-replica context."""
         ext = self.extended
         comps = list(var.values)
+        from tfdp.reduce import owner as owner_lib
+        if self.span_workers > 1:
+            return self._update_job_span(ext, comps, owner, fn, args, kwargs, group)
         with tf.device(comps[owner].device), tf.name_scope(f"update_{owner}"):
             result = fn(comps[owner], *tfp.select_replica(owner, args),
                         **tfp.select_replica(owner, kwargs))
-        from tfdp.reduce import owner as owner_lib
         owner_lib.broadcast_local(comps, owner)
+        return tfp.update_regroup(ext, [result] * len(comps), group)
+
+    def _update_job_span(self, ext, comps, owner, fn, args, kwargs, group):
+        """TFDP_ZERO_SPAN=job (measurement mode): the owner's worker updates, one cross-worker
+        collective carries the value (the owner's worker adds it, the others -0.0), every local
+        copy takes it."""
+        from tfdp.reduce import owner as owner_lib
+        from tfdp.strategy.role import worker_role
+        worker, k = divmod(owner, len(self.devices))
+        mine = worker_role(tf.distribute.get_strategy()).index == worker
+        result = None
+        with tf.device(comps[k].device):
+            if mine:
+                result = fn(comps[k], *tfp.select_replica(k, args),
+                            **tfp.select_replica(k, kwargs))
+                value = comps[k].read_value()
+            else:
+                value = owner_lib.identity_element(comps[k].shape, comps[k].dtype)
+            value = ext.tfdp_reduce.cross_worker_sum(value, k)
+        for j, c in enumerate(comps):
+            if not (mine and j == k):
+                with tf.device(c.device):
+                    c.assign(value, read_value=False)
         return tfp.update_regroup(ext, [result] * len(comps), group)
 
     def replica_update(self, var, owner, fn, args, kwargs):
@@ -307,6 +344,10 @@ class ZeroState:
                 f"zero_stage={self.stage} cannot run inside an XLA-compiled step",
                 "jit_compile=True around the whole step", "Fix: compile(jit_compile=False), or "
                 "zero_stage=0."))
+        if self.span_workers > 1:
+            raise TfdpError(message(
+                "TFDP_ZERO_SPAN=job (a measurement mode of tfdp bench zero) does not run "
+                "Keras's gradient accumulation", f"{SPAN_ENV}=job", f"Unset {SPAN_ENV}."))
         replica = tfp.current_replica_id()
         comp = var.values[replica]
         result = None
