@@ -79,15 +79,35 @@ def test_env_var_gives_replicas_to_unchanged_script():
     assert "REPLICAS 3 fused" in r.stdout, r.stdout + r.stderr
 
 
-def test_bad_env_var_is_clear():
+@pytest.mark.parametrize("tf_first", [False, True])
+def test_bad_env_var_is_one_line_and_exit_2_at_import(tf_first):
+    """A user's script with TFDP_CPU_REPLICAS=four: one line, exit 2, at ``import tfdp`` (before
+    TensorFlow loads when tfdp comes first), no traceback."""
     r = _run("""
+        import sys
+        %s
         import tfdp
-        try:
-            tfdp.DataParallelStrategy()
-        except ValueError as e:
-            print("ERR", e)
-    """, {"TFDP_CPU_REPLICAS": "four"})
-    assert "TFDP_CPU_REPLICAS='four'" in r.stdout and "positive integer" in r.stdout, r.stdout
+        print("AFTER IMPORT", "tensorflow" in sys.modules)
+        tfdp.DataParallelStrategy()
+    """ % ("import tensorflow" if tf_first else ""), {"TFDP_CPU_REPLICAS": "four"})
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "AFTER IMPORT" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    if tf_first:   # TensorFlow's own load-time lines come first
+        lines = lines[-1:]
+    assert lines == ["tfdp: error: Invalid TFDP_CPU_REPLICAS. Received: TFDP_CPU_REPLICAS='four'."
+                     " Set it to a positive integer, e.g. TFDP_CPU_REPLICAS=4, or unset it."], lines
+
+
+def test_bad_env_var_does_not_stop_the_launcher_that_replaces_it():
+    """``tfdp launch --cpu-replicas 2`` sets the workers' value: a bad one in the launcher's own
+    environment is not its error (it never imports TensorFlow)."""
+    r = subprocess.run([sys.executable, "-m", "tfdp", "launch", "--workers", "1", "--output",
+                        "all", "--cpu-replicas", "2", "--", sys.executable, "-c",
+                        "import os, tfdp; print('WORKER', os.environ['TFDP_CPU_REPLICAS'])"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, TFDP_CPU_REPLICAS="four"))
+    assert r.returncode == 0 and "WORKER 2" in r.stdout, (r.stdout, r.stderr)
 
 
 def test_default_devices_without_configuration_is_cpu0():

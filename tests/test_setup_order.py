@@ -410,3 +410,44 @@ def test_tutorial_custom_loop_lazy_slots_two_workers_two_replicas_equal_one_devi
         assert diff <= TOL, name
         np.testing.assert_allclose(a["losses"], ref_losses, rtol=1e-5)
         np.testing.assert_allclose(a["total"], ref_total, rtol=1e-5)
+
+
+# --- a model built before the strategy: tfdp's error names the fix (issue 23, point 2) ---------
+
+_BEFORE = """
+    import numpy as np, keras
+    import tfdp
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    {strategy}
+    x = np.ones((32, 8), "float32"); y = np.ones((32, 1), "float32")
+    try:
+        {fit}
+    except ValueError as e:
+        print("ERR", type(e).__name__, isinstance(e, RuntimeError), e)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("form", ["default", "explicit_outside", "explicit_inside"])
+def test_a_model_built_before_the_strategy_is_one_error_naming_the_fix(form):
+    strategy, fit = {
+        "default": ("tfdp.set_default_strategy()",
+                    "model.compile('adam', 'mse'); model.fit(x, y, batch_size=8, verbose=0)"),
+        "explicit_outside": ("strategy = tfdp.DataParallelStrategy()\n    with strategy.scope():"
+                             "\n        model.compile('adam', 'mse')",
+                             "model.fit(x, y, batch_size=8, verbose=0)"),
+        "explicit_inside": ("strategy = tfdp.DataParallelStrategy()",
+                            "with strategy.scope():\n            model.compile('adam', 'mse'); "
+                            "model.fit(x, y, batch_size=8, verbose=0)"),
+    }[form]
+    r = _run(_BEFORE.format(strategy=strategy, fit=fit), {"TFDP_CPU_REPLICAS": "2"})
+    err = _lines(r, "ERR")
+    assert err, r.stdout + r.stderr
+    assert err[0].startswith("SetupOrderError True "), err   # a ValueError and a RuntimeError
+    assert "variable 'sequential/dense/kernel'" in err[0], err
+    if form == "default":
+        assert "The model was built before tfdp.set_default_strategy()" in err[0], err
+        assert "move it above `model = ...`" in err[0], err
+    else:
+        assert "built before the DataParallelStrategy was created or outside its" in err[0], err
+        assert "with strategy.scope(): model = build_model()" in err[0], err

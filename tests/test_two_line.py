@@ -158,3 +158,50 @@ print("AGAIN", type(tfdp.set_default_strategy(all_reduce="ring")).__name__)
     assert "Expected a tf.distribute.Strategy" in errs[1] and "'mirrored'" in errs[1]
     assert "inside a `with strategy.scope():` block" in errs[2] and "Received:" in errs[2]
     assert "SAME True" in p.stdout and "AGAIN DataParallelStrategy" in p.stdout, p.stdout
+
+
+# --- one line at strategy creation says what the program runs on (issue 23, point 2) -----------
+
+def _script(code, env_extra=None):
+    import textwrap
+    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_CPU_REPLICAS", "TF_CONFIG")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=150, env=env)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setup, expected", [
+    ("", "tfdp: DataParallelStrategy: 1 replica on CPU:0, 1 worker; for n CPU replicas set "
+         "TFDP_CPU_REPLICAS=n"),
+    ("ENV", "tfdp: DataParallelStrategy: 3 replicas on CPU:0, CPU:1, CPU:2 (TFDP_CPU_REPLICAS=3),"
+            " 1 worker; all_reduce 'fused'"),
+    ("import logging; logging.getLogger('tfdp').setLevel(logging.WARNING)", None),
+    ("import logging; logging.basicConfig(level=logging.INFO, format='LOG %(message)s')",
+     "LOG tfdp: DataParallelStrategy: 1 replica on CPU:0"),
+])
+def test_the_two_line_script_says_what_it_runs_on_once(setup, expected):
+    r = _script(f"""
+        {setup if setup != "ENV" else ""}
+        import tfdp
+        tfdp.set_default_strategy()
+        tfdp.set_default_strategy()     # a second strategy: no second line
+        print("DONE")
+    """, {"TFDP_CPU_REPLICAS": "3"} if setup == "ENV" else None)
+    assert "DONE" in r.stdout, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "DataParallelStrategy:" in ln]
+    if expected is None:
+        assert lines == [], r.stderr
+    elif expected.startswith("LOG"):
+        assert lines and lines[0].startswith(expected), r.stderr   # their logging decides
+    else:
+        assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
+
+
+def test_the_line_names_workers_and_devices(cpu_devices):
+    import tfdp
+    from tfdp.strategy.announce import device_list, strategy_line
+    line = strategy_line(tfdp.DataParallelStrategy())
+    assert line.startswith("tfdp: DataParallelStrategy: 4 replicas on CPU:0..CPU:3 "), line
+    assert "1 worker; all_reduce 'fused'" in line, line
+    assert device_list(["GPU:0", "GPU:2"]) == "GPU:0, GPU:2"

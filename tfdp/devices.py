@@ -186,16 +186,42 @@ class _AfterTensorFlowImport(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
 
 
+def _run_by_tfdp_command() -> bool:
+    """Whether this process is tfdp's own command line (``tfdp ...`` / ``python -m tfdp``)."""
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv)
+    if any(a == "-m" and argv[i + 1:i + 2] and argv[i + 1].split(".")[0] == "tfdp"
+           for i, a in enumerate(argv)):
+        return True
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) in ("tfdp", "tfdp.exe")
+
+
+def _exit_bad_variable(error: TfdpError):
+    """A bad ``TFDP_CPU_REPLICAS``: one line, exit 2 (a usage error), no traceback."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    sys.stderr.write(f"tfdp: error: {error}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
 def apply_cpu_replicas_env_early() -> None:
     """At ``import tfdp``: honour ``TFDP_CPU_REPLICAS`` before TensorFlow's runtime starts.
 
-    Never raises and never imports TensorFlow itself: with TF already imported the CPU is split
-    now (if its runtime has not started); otherwise right after TF gets imported. A bad value is
-    left for the strategy to report.
+    Never imports TensorFlow itself: with TF already imported the CPU is split now (if its
+    runtime has not started); otherwise right after TF gets imported. A bad value ends the
+    program at once with one line and exit code 2 (``SystemExit``), before TensorFlow loads;
+    under tfdp's own command line only when TensorFlow gets imported (``tfdp train`` reports it
+    itself, and ``tfdp launch --cpu-replicas`` sets the workers' value).
     """
     try:
         n = cpu_replicas_from_env()
-    except TfdpError:
+    except TfdpError as e:
+        if not _run_by_tfdp_command() or "tensorflow" in sys.modules:
+            _exit_bad_variable(e)
+        elif not any(isinstance(f, _AfterTensorFlowImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterTensorFlowImport(lambda: _exit_bad_variable(e)))
         return
     if n is None:
         return

@@ -64,6 +64,8 @@ def set_default_strategy(strategy=None, /, **kwargs):
     except RuntimeError:   # TF: "Must not be called inside a `tf.distribute.Strategy` scope."
         raise _inside_scope(f"the active strategy {type(tf.distribute.get_strategy()).__name__}"
                             ) from None
+    from tfdp.strategy.setup_order import remember_program_default
+    remember_program_default(strategy)
     log.info("tfdp: %s (%d replica(s)) is the default strategy of this program",
              type(strategy).__name__, strategy.num_replicas_in_sync)
     return strategy

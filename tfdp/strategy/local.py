@@ -39,9 +39,11 @@ from tfdp import devices as devices_lib
 from tfdp.errors import invalid_argument
 from tfdp.keras import gradient_path
 from tfdp.reduce.local import DataParallelReduce
+from tfdp.strategy.announce import announce
 from tfdp.strategy.extended import DataParallelExtendedBase
 from tfdp.strategy.role import worker_role
 from tfdp.strategy.settings import Settings
+from tfdp.strategy.setup_order import SetupOrderChecks
 
 log = logging.getLogger("tfdp")
 _logged_choices: set = set()
@@ -69,8 +71,8 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         reduced (``tfdp.reduce.sparse``); None reads ``TFDP_SPARSE``, default "auto" (the
         measured rule; it densifies only for optimizers linear in the gradient, plain/momentum
         SGD without clipping).
-      collective_timeout, heartbeat_timeout: failure detection across workers (see
-        ``MultiWorkerDataParallelStrategy``); validated, and unused, in a single process.
+      collective_timeout, heartbeat_timeout, startup_timeout: failure detection across workers
+        (see ``MultiWorkerDataParallelStrategy``); validated, and unused, in a single process.
       zero_stage: 0 | 1 | 2: sharded optimizer state (``tfdp.zero``). 0 (default): every
         replica keeps the whole optimizer state. 1: each trainable variable has one owner
         replica that keeps its optimizer slots and applies its update, then copies the new
@@ -95,12 +97,14 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,
                  compression: str | None = None, sparse: str | None = None,
                  collective_timeout: float | None = None,
-                 heartbeat_timeout: float | None = None, zero_stage: int | None = None,
+                 heartbeat_timeout: float | None = None, startup_timeout: float | None = None,
+                 zero_stage: int | None = None,
                  cluster_resolver=None, cluster=None):
         settings = Settings.from_arguments(
             all_reduce=all_reduce, bucket_bytes=bucket_bytes, compression=compression,
             sparse=sparse, collective_timeout=collective_timeout,
-            heartbeat_timeout=heartbeat_timeout, zero_stage=zero_stage)
+            heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
+            zero_stage=zero_stage)
         self._cluster = self._resolve(cluster_resolver, cluster, devices, settings)
         extended = self._extended_class(self, settings, devices, self._cluster)
         # (MirroredStrategy.__init__ / MultiWorkerMirroredStrategy.__init__ minus their extended)
@@ -119,10 +123,12 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         return LocalExtended
 
     def _started(self, devices):
-        """After the extended exists: log the choice (once per configuration)."""
+        """After the extended exists: log the choice (once per configuration) and say what
+        the program runs on (``tfdp.strategy.announce``)."""
         del devices
         _log_choice_once(self.extended.tfdp_settings.all_reduce, self.extended.tfdp_choice,
                          self.extended.worker_devices, self.extended.tfdp_reduce)
+        announce(self)
 
     # --- tfdp's additions ---------------------------------------------------------------------
 
@@ -151,6 +157,10 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     @property
     def heartbeat_timeout(self):
         return self.extended.tfdp_settings.heartbeat_timeout
+
+    @property
+    def startup_timeout(self):
+        return self.extended.tfdp_settings.startup_timeout
 
     @property
     def zero_stage(self) -> int:
@@ -208,7 +218,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
 
 
-class LocalExtended(DataParallelExtendedBase, tfp.MirroredExtended):
+class LocalExtended(SetupOrderChecks, DataParallelExtendedBase, tfp.MirroredExtended):
     """MirroredExtended over this process's devices with tfdp's reduction and step path."""
 
     def _init_tf_extended(self, container_strategy, cluster):

@@ -39,6 +39,11 @@ How it is built (TF 2.21):
   stopped responding ...``) and exits non-zero; ``tfdp launch`` repeats that line and stops the
   rest. An optional collective timeout (``collective_timeout``, ``TFDP_COLLECTIVE_TIMEOUT``, off
   by default) also catches a worker that is alive but never reaches the next collective.
+* Never hang at start-up either: a worker named in the cluster that never connects (a stale
+  TF_CONFIG, a host that is down, a firewall) ends the start-up after ``startup_timeout``
+  (default 300 s, ``TFDP_STARTUP_TIMEOUT``) with one line naming it, and SIGINT / SIGTERM end the
+  wait at once (``tfdp.cluster.startup``); afterwards SIGTERM ends the process again (TF's
+  start-up had replaced the handler with one that ignores it).
 """
 
 from __future__ import annotations
@@ -50,11 +55,14 @@ import tensorflow as tf
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp import failures
+from tfdp.cluster import startup
 from tfdp.errors import TfdpError, invalid_argument
 from tfdp.keras import gradient_path
 from tfdp.reduce.hierarchical import MultiWorkerReduce
 from tfdp.strategy.extended import DataParallelExtendedBase
+from tfdp.strategy.announce import announce
 from tfdp.strategy.local import DataParallelStrategy, uneven_reduce_error
+from tfdp.strategy.setup_order import SetupOrderChecks
 
 CollectiveAllReduceExtended = tfp.CollectiveAllReduceExtended
 late_collective_config = tfp.late_collective_config
@@ -63,7 +71,8 @@ log = logging.getLogger("tfdp")
 
 # --- the extended ------------------------------------------------------------------------------
 
-class MultiWorkerExtended(DataParallelExtendedBase, CollectiveAllReduceExtended):
+class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
+                          CollectiveAllReduceExtended):
     """CollectiveAllReduceExtended on every local device, with tfdp's reduction and step path.
 
     Method resolution: tfdp's ``DataParallelExtendedBase`` first (replica shares for the
@@ -80,8 +89,13 @@ class MultiWorkerExtended(DataParallelExtendedBase, CollectiveAllReduceExtended)
         self._check_health_interval = max(1.0, heartbeat_timeout / 2)
         self._check_health_timeout = max(1, int(heartbeat_timeout / 4))
         self._check_health_retry_limit = 2
+        # TF's start-up waits (holding the GIL, deaf to signals) until every task has
+        # connected: wait for the peers first, bounded and interruptible (tfdp.cluster.startup).
+        deadline = startup.Deadline(settings.startup_timeout)
+        if not tfp.collective_server_started():
+            startup.wait_for_peers(cluster, deadline)
         with late_collective_config() as late, tfp.coordination_heartbeat_timeout(
-                heartbeat_timeout):
+                heartbeat_timeout), startup.guard(cluster, deadline):
             CollectiveAllReduceExtended.__init__(
                 self, container_strategy, cluster_resolver=cluster.to_resolver(),
                 communication_options=tf.distribute.experimental.CommunicationOptions())
@@ -302,6 +316,10 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
         other workers' collectives then fail and each prints one line naming the lost worker
         and its address. None: ``TFDP_HEARTBEAT_TIMEOUT`` if set, else 6 s. Heartbeats run
         in TF's C++ threads, so slow steps do not trigger it.
+      startup_timeout: seconds to wait, when the strategy is created, for every worker of the
+        cluster to connect; then this worker prints one line naming the workers that did not
+        (and their addresses) and exits 1. None: ``TFDP_STARTUP_TIMEOUT`` if set, else 300 s.
+        SIGINT / SIGTERM end the wait at once (exit 130 / 143).
     """
 
     # One __init__ (DataParallelStrategy's) with the same arguments; these are its steps.
@@ -343,6 +361,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
                  extended.tfdp_choice.reason, extended.tfdp_reduce.hint,
                  extended.tfdp_reduce.bucket_bytes, extended.tfdp_reduce.compression,
                  " (collective runtime started late)" if extended.tfdp_late_start else "")
+        announce(self)
         from tfdp.callbacks import (
             shared_files,  # Keras's own callbacks: only the chief writes
         )

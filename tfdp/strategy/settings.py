@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tfdp import failures
+from tfdp.cluster import startup
 from tfdp.reduce import registry
 from tfdp.reduce import sparse as sparse_lib
 from tfdp.zero import validate_stage
@@ -26,11 +27,13 @@ class Settings:
     sparse: str                      # "auto", "gather" or "densify"
     collective_timeout: float | None  # seconds; None: off
     heartbeat_timeout: float         # seconds
+    startup_timeout: float = 300.0   # seconds: peers that do not connect by then end the start-up
     zero_stage: int = 0              # 0, 1 or 2: sharded optimizer state (tfdp.zero)
 
     @classmethod
     def from_arguments(cls, *, all_reduce="auto", bucket_bytes=None, compression=None,
                        sparse=None, collective_timeout=None, heartbeat_timeout=None,
+                       startup_timeout=None,
                        zero_stage=None):
         return cls(
             all_reduce=registry.validate_algorithm(all_reduce),
@@ -42,6 +45,9 @@ class Settings:
             heartbeat_timeout=failures.seconds_setting(
                 heartbeat_timeout, "heartbeat_timeout", failures.HEARTBEAT_TIMEOUT_ENV,
                 failures.DEFAULT_HEARTBEAT_TIMEOUT, off_ok=False),
+            startup_timeout=failures.seconds_setting(
+                startup_timeout, "startup_timeout", startup.STARTUP_TIMEOUT_ENV,
+                startup.DEFAULT_STARTUP_TIMEOUT, off_ok=False),
             zero_stage=validate_stage(zero_stage))
 
 
