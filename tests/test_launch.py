@@ -188,10 +188,10 @@ def test_max_restarts():
 @pytest.mark.parametrize("sig,expected", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_is_forwarded(sig, expected):
     cmd = py("print(os.getpid(), flush=True); time.sleep(60)")
-    # --all-output: both workers' pids on stdout (by default only worker 0's is shown)
-    launcher = subprocess.Popen([sys.executable, "-m", "tfdp", "launch", "--all-output",
-                                 "--workers", "2", "--", *cmd], cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    # --output all: both workers' pids on stdout (by default only worker 0's is shown)
+    launcher = subprocess.Popen([sys.executable, "-m", "tfdp", "launch", "--output", "all",
+                                 "--workers", "2", "--", *cmd], cwd=ROOT, env=base_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
         launcher.send_signal(sig)
@@ -218,7 +218,7 @@ def _alive(pid):
 
 
 def test_cli_runs_command_without_double_dash():
-    res = run_cli("--all-output", "--workers", "2", sys.executable, "-c", "print('hi')")
+    res = run_cli("--output", "all", "--workers", "2", sys.executable, "-c", "print('hi')")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
 
@@ -320,7 +320,8 @@ def test_worker0_output_is_live_with_prefixes_after_carriage_returns(tmp_path):
     assert (tmp_path / "worker-1.log").read_text() == "hidden from the terminal 1\n"
     assert "step 2/3" in (tmp_path / "worker-0.log").read_text()
     lines = err.getvalue().splitlines()
-    assert lines[0].startswith("tfdp launch: 2 workers; worker 0's output follows")
+    assert lines[0].startswith("tfdp launch: 2 workers x ")   # x its replicas (see below)
+    assert "; worker 0's output follows (--output all: every worker's)" in lines[0], lines[0]
     assert f"logs: {tmp_path}/worker-<i>.log (i = 0..1)" in lines[0]
     assert re.match(r"tfdp launch: 2 workers succeeded in [\d.]+ s; logs: ", lines[-1]), lines
 
@@ -409,17 +410,21 @@ def test_cli_default_and_all_output(tmp_path):
     assert "worker 0's output follows" in res.stderr
     env = base_env()
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
-    res = run_cli("--all-output", "--workers", "2", "--", *cmd, env=env)
-    assert res.returncode == 0, res.stderr
-    assert sorted(res.stdout.splitlines()) == ["[worker 0] hi 0", "[worker 1] hi 1"]
-    assert res.stderr == ("tfdp launch: TensorFlow's C++ INFO/WARNING logs hidden "
-                          "(TF_CPP_MIN_LOG_LEVEL=2; --verbose shows them)\n")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for flag in (["--output", "all"], ["--all-output"]):   # (the deprecated, hidden alias)
+        res = run_cli(*flag, "--workers", "2", "--cpu-replicas", "3", "--", *cmd, env=env)
+        assert res.returncode == 0, res.stderr
+        assert sorted(res.stdout.splitlines()) == ["[worker 0] hi 0", "[worker 1] hi 1"]
+        assert res.stderr == ("tfdp launch: 2 workers x 3 CPU replicas = 6 replicas; "
+                              "TensorFlow's C++ INFO/WARNING logs hidden "
+                              "(TF_CPP_MIN_LOG_LEVEL=2; --verbose shows them)\n"), res.stderr
 
 
 def test_cli_help_covers_output_and_nodes():
     res = run_cli("--help")
     assert res.returncode == 0
-    for flag in ("--output", "--all-output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
+    assert "--all-output" not in res.stdout   # one way to choose the output: --output
+    for flag in ("--output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
                  "--coordinator", "--workers-per-node", "--join-timeout", "--node-timeout",
                  "--slurm", "listens on every interface", "prints the addresses it will listen on"):
         assert flag in " ".join(res.stdout.split()), flag
@@ -503,9 +508,9 @@ def test_two_nodes_build_one_cluster():
                 "TFDP_NODE_RANK", "TFDP_NUM_NODES", "TFDP_CPU_REPLICAS"]
         print("ENV", json.dumps({k: os.environ.get(k) for k in keys}))
         """)
-    n1 = _node(1, port, cmd, "--all-output", "--cpu-replicas", "3")
+    n1 = _node(1, port, cmd, "--output", "all", "--cpu-replicas", "3")
     time.sleep(0.5)  # node 1 first: it retries until node 0 listens
-    n0 = _node(0, port, cmd, "--all-output", "--cpu-replicas", "3")
+    n0 = _node(0, port, cmd, "--output", "all", "--cpu-replicas", "3")
     (c0, out0, err0, _), (c1, out1, err1, _) = _finish(n0, n1)
     assert c0 == 0 and c1 == 0, err0 + err1
     envs = {}
@@ -568,8 +573,8 @@ def _kill_node(proc):
 def test_a_lost_node_ends_the_others_naming_it(how):
     port = _free_port()
     cmd = py("print('up', flush=True); time.sleep(60)")
-    n0 = _node(0, port, cmd, "--node-timeout", "3", "--all-output")
-    n1 = _node(1, port, cmd, "--node-timeout", "3", "--all-output")
+    n0 = _node(0, port, cmd, "--node-timeout", "3", "--output", "all")
+    n1 = _node(1, port, cmd, "--node-timeout", "3", "--output", "all")
     try:
         for _ in range(2):  # both of node 1's workers run
             assert n1.stdout.readline().endswith("up\n")
@@ -643,7 +648,7 @@ def test_slurm_launchers_build_one_cluster():
                        SLURM_JOB_ID="42")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tfdp", "launch", "--slurm", "--coordinator",
-             f"127.0.0.1:{port}", "--workers-per-node", "1", "--all-output", "--timeout", "40",
+             f"127.0.0.1:{port}", "--workers-per-node", "1", "--output", "all", "--timeout", "40",
              "--", *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True))
     (c1, out1, err1, _), (c0, out0, err0, _) = _finish(*procs)

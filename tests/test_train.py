@@ -361,7 +361,7 @@ def test_cli_loud_on_request(tmp_path, how):
                                   "workstation_vision"])
 def test_tiny_config_across_two_workers(name, tmp_path):
     extra = ["--set", f"data.dir={str(tmp_path)!r}"] if name == "recommender" else []
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--output", "all",
            "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, f"configs/{name}.toml", "--tiny", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250, env=_env(),
@@ -375,7 +375,7 @@ def test_tiny_config_across_two_workers(name, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_tiny_quickstart_across_two_workers():
-    cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output",
+    cmd = [sys.executable, "-m", "tfdp", "launch", "--output", "all",
            "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, "configs/quickstart.toml", "--tiny"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250, env=_env(),
@@ -606,3 +606,140 @@ def test_precise_bn_sets_the_average_batch_statistics_on_every_replica():
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     assert precise_bn.recompute(plain, batches) == 0        # no BatchNorm: nothing done
     del tf
+
+
+# --- issue 23: --set errors, builders checked before TensorFlow, relative targets, small batches --
+
+@pytest.mark.parametrize("overrides, needles, absent", [
+    (["train.epochs=abc"], ["Invalid train.epochs (given by --set train.epochs=abc)",
+                            "train.epochs='abc'", "integer >= 1"], ["job.toml"]),
+    (["train.epoch=3"], ["Unknown key given by --set train.epoch=3", "train.epochs"],
+     ["job.toml"]),
+    (["data.global_batch_size=0"], ["(given by --set data.global_batch_size=0)"], ["job.toml"]),
+    ([], [], []),
+])
+def test_set_errors_name_set_not_the_file(tmp_path, overrides, needles, absent):
+    path = _write(tmp_path, GOOD + "[train]\nepochs = 'ten'\n" if not overrides else GOOD)
+    with pytest.raises(UsageError) as e:
+        config_lib.load(path, overrides)
+    msg = str(e.value)
+    if not overrides:   # a bad value in the file still names the file
+        assert f"Invalid train.epochs in {path}" in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    for n in absent:
+        assert n not in msg, (n, msg)
+
+
+# A builder module whose import would fail (it stands for one that imports TensorFlow): the checks
+# before TensorFlow starts read its source, they never import it.
+UNIMPORTABLE = '''
+raise RuntimeError("imported")
+
+def model(units=8, *, classes=3):
+    pass
+
+def data(global_batch_size, n=256):
+    pass
+
+def per_replica(input_context, n):
+    pass
+
+def neither(n=3):
+    pass
+
+@some_decorator
+def decorated(x):
+    pass
+
+assigned = model
+'''
+
+
+def _precheck(tmp_path, model="model", data="data", model_extra="", data_extra=""):
+    from tfdp.train import builders
+    (tmp_path / "never_imported.py").write_text(UNIMPORTABLE)
+    path = _write(tmp_path, f"""
+[data]
+builder = "never_imported:{data}"
+global_batch_size = 32
+{data_extra}
+[model]
+builder = "never_imported:{model}"
+{model_extra}
+""")
+    builders.precheck(config_lib.load(path))
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    ({}, None),
+    ({"model": "modle"}, ["model.builder: module 'never_imported' has no function 'modle'",
+                          "Functions defined there: data, decorated, model, neither, "
+                          "per_replica"]),
+    ({"model_extra": "unit = 3"}, ["does not take 'unit'", "Its parameters: units, classes"]),
+    ({"data_extra": "m = 3"}, ["data.builder: never_imported:data does not take 'm'"]),
+    ({"data": "per_replica"}, ["never_imported:per_replica needs 'n'", "[data] without n"]),
+    ({"data": "neither"}, ["takes neither input_context nor global_batch_size"]),
+    ({"model": "decorated", "data": "data"}, None),   # a decorator may change it: at the run
+    ({"model": "assigned"}, None),
+    ({"data": "nowhere:data"}, ["data.builder: no module named 'nowhere'"]),
+])
+def test_builder_mistakes_are_found_without_importing_the_module(tmp_path, kwargs, needles):
+    import sys
+    sys.modules.pop("never_imported", None)
+    if "data" in kwargs and ":" in kwargs["data"]:   # another module entirely
+        kwargs = dict(kwargs, data=kwargs["data"].replace("nowhere:data", "data"))
+        (tmp_path / "never_imported.py").write_text(UNIMPORTABLE)
+        from tfdp.train import builders
+        path = _write(tmp_path, '[data]\nbuilder = "nowhere:data"\nglobal_batch_size = 32\n'
+                                '[model]\nbuilder = "never_imported:model"\n')
+        with pytest.raises(UsageError) as e:
+            builders.precheck(config_lib.load(path))
+    elif needles is None:
+        _precheck(tmp_path, **kwargs)
+        assert "never_imported" not in sys.modules
+        return
+    else:
+        with pytest.raises(UsageError) as e:
+            _precheck(tmp_path, **kwargs)
+    assert "never_imported" not in sys.modules
+    msg = str(e.value)
+    assert "\n" not in msg and "Received:" in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+@pytest.mark.timeout(60)
+def test_cli_builder_mistake_is_one_line_before_tensorflow(tmp_path):
+    (tmp_path / "never_imported.py").write_text(UNIMPORTABLE)
+    path = _write(tmp_path, '[data]\nbuilder = "never_imported:data"\nglobal_batch_size = 32\n'
+                            '[model]\nbuilder = "never_imported:model"\nhidden = 3\n')
+    p = _cli([path], timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "tfdp train: error: model.builder: never_imported:model does not take 'hidden'. "
+        "Received: model.hidden=3. Its parameters: units, classes. Remove the key or add the "
+        "parameter."], p.stderr
+
+
+SHIPPED = CONFIGS + sorted(glob.glob(os.path.join(ROOT, "examples", "*.toml")))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_shipped_targets_are_quality_or_relative(path):
+    """Absolute speed targets fail on a loaded or slower machine (issue 23, point 4): shipped
+    configs state quality (accuracy, AUC, loss) and relative figures only."""
+    targets = config_lib.load(path).targets
+    assert targets and set(targets) <= {"min_accuracy", "min_auc", "max_loss",
+                                        "min_scaling_efficiency"}, targets
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_global_batch_smaller_than_the_replicas_trains_with_a_warning():
+    p = _cli(["configs/quickstart.toml", "--tiny", "--set", "data.global_batch_size=2",
+              "--set", "strategy.cpu_replicas=4"], timeout=220)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("tfdp train: warning: data.global_batch_size=2 on 4 replicas: 2 replica(s) get no "
+            "examples in every step") in p.stderr, p.stderr
+    assert "batch         global 2, per replica 0-1" in p.stdout, p.stdout

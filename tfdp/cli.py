@@ -18,13 +18,25 @@ SUBCOMMANDS = {
     "bench": ("tfdp.bench.cli", "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"),
 }
 
-USAGE = "usage: tfdp {" + ",".join(SUBCOMMANDS) + "} [args...]   (tfdp COMMAND --help for details)"
+USAGE = ("usage: tfdp [-h] [-V] {" + ",".join(SUBCOMMANDS) + "} [args...]   "
+         "(tfdp COMMAND --help for details)")
+
+# The wording every subcommand uses for its shared options (tfdp train, tfdp launch).
+HELP_HELP = "show this help and exit"
+VERBOSE_HELP = ("show TensorFlow's C++ INFO/WARNING log lines (hidden by default unless "
+                "TF_CPP_MIN_LOG_LEVEL is set)")
+
+EPILOG = """\
+exit codes: 0 success; 1 error; 2 usage error (bad command line, config or environment variable);
+a command may add its own (tfdp COMMAND --help)."""
 
 
 def _help() -> str:
     lines = [USAGE, "", "commands:"]
     for name, (_, text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<8} {text}")
+    lines += ["", "options:", f"  -h, --help     {HELP_HELP}",
+              "  -V, --version  show tfdp's version and exit", "", EPILOG]
     return "\n".join(lines)
 
 

@@ -37,12 +37,14 @@ def replica_batch_sizes(batch_size: int, num_replicas: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(num_replicas)]
 
 
-def check_global_batch_size(global_batch_size, num_replicas: int) -> int:
-    """Validate a global batch size for ``num_replicas`` replicas (at least one example each)."""
+def check_global_batch_size(global_batch_size, num_replicas: int, empty_ok: bool = False) -> int:
+    """Validate a global batch size for ``num_replicas`` replicas (at least one example each,
+    unless ``empty_ok``: a global batch split by tfdp may leave replicas empty, which the
+    strategy trains exactly)."""
     _check_positive_int(
         "global_batch_size", global_batch_size,
         "Pass a positive int: the number of examples in one training step across all replicas.")
-    if global_batch_size < num_replicas:
+    if global_batch_size < num_replicas and not empty_ok:
         raise TfdpError(
             f"The global batch is smaller than the number of replicas, so some replicas would "
             f"never get an example. Received: global_batch_size={global_batch_size} with "
@@ -72,10 +74,12 @@ def per_replica_batch_size(global_batch_size: int, input_context) -> int:
     return global_batch_size // replicas
 
 
-def worker_batch_size(global_batch_size: int, input_context) -> int:
-    """This worker's share of each global batch: the sum of its local replicas' parts."""
+def worker_batch_size(global_batch_size: int, input_context, empty_ok: bool = False) -> int:
+    """This worker's share of each global batch: the sum of its local replicas' parts
+    (``empty_ok``: with one worker, a global batch smaller than the replica count is allowed)."""
     ctx = check_input_context(input_context)
-    check_global_batch_size(global_batch_size, ctx.num_replicas_in_sync)
+    check_global_batch_size(global_batch_size, ctx.num_replicas_in_sync,
+                            empty_ok=empty_ok and ctx.num_input_pipelines == 1)
     first, count = local_replicas(ctx)
     sizes = replica_batch_sizes(global_batch_size, ctx.num_replicas_in_sync)
     return sum(sizes[first:first + count])
@@ -157,7 +161,7 @@ def split_parts(dataset: tf.data.Dataset, num_parts: int, first: int = 0,
 
 
 def split_batches(dataset: tf.data.Dataset, input_context, *,
-                  worker_local: bool = False) -> tf.data.Dataset:
+                  worker_local: bool = False, empty_ok: bool = False) -> tf.data.Dataset:
     """A dataset of batches -> this worker's per-replica batches (its local replicas, in order).
 
     Args:
@@ -174,7 +178,7 @@ def split_batches(dataset: tf.data.Dataset, input_context, *,
     ctx = check_input_context(input_context)
     first, count = local_replicas(ctx)
     batch = _static_batch(dataset)
-    if batch is not None:
+    if batch is not None and not empty_ok:   # (empty_ok: empty replicas, trained exactly)
         need = count if worker_local else ctx.num_replicas_in_sync
         if batch < need:
             what = "worker" if worker_local else "global"

@@ -91,7 +91,8 @@ def worker_dataset(source, input_context, *, global_batch_size: int | None = Non
                    shard: str = "auto", parse_fn=None, shuffle_seed: int | None = None,
                    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER, epoch: int = 0,
                    epochs: int | None = 1, start_step: int = 0, drop_remainder: bool = False,
-                   reader=None, prefetch: int | None = AUTOTUNE) -> tf.data.Dataset:
+                   reader=None, prefetch: int | None = AUTOTUNE,
+                   empty_replicas: bool = False) -> tf.data.Dataset:
     """One worker's input: its local replicas' per-replica batches, ``local`` per step.
 
     Args:
@@ -114,6 +115,9 @@ def worker_dataset(source, input_context, *, global_batch_size: int | None = Non
       drop_remainder: drop the last, partial batch of every epoch instead of splitting it.
       reader: for files: ``path -> tf.data.Dataset`` of records (default ``TFRecordDataset``).
       prefetch: ``tf.data`` prefetch depth (default AUTOTUNE); 0 or None disables it.
+      empty_replicas: allow a global batch smaller than the number of replicas (data sharding,
+        or files with one worker): some replicas then get an empty batch in every step, which
+        the strategy trains exactly (they only idle). Default: refused, as a likely mistake.
     """
     ctx = check_input_context(input_context)
     kind = _check_source(source)
@@ -158,9 +162,11 @@ def worker_dataset(source, input_context, *, global_batch_size: int | None = Non
                 "global_batch_size=... (tfdp shuffles, then batches), or shuffle before batching.")
         batch = None
     else:
-        batching.check_global_batch_size(global_batch_size, replicas)
-        batch = batching.worker_batch_size(global_batch_size, ctx) if worker_local \
-            else global_batch_size
+        batching.check_global_batch_size(global_batch_size, replicas,
+                                         empty_ok=empty_replicas is True and not (
+                                             worker_local and ctx.num_input_pipelines > 1))
+        batch = batching.worker_batch_size(global_batch_size, ctx, empty_replicas is True) \
+            if worker_local else global_batch_size
     if mode == "files":
         paths = sharding.shard_files(files, ctx)
         if all(tf.io.gfile.stat(p).length == 0 for p in paths):
@@ -194,7 +200,8 @@ def worker_dataset(source, input_context, *, global_batch_size: int | None = Non
         epoch_ids = (tf.data.Dataset.counter(epoch) if epochs is None
                      else tf.data.Dataset.range(epoch, epoch + epochs))
         ds = epoch_ids.flat_map(one_epoch)
-    ds = batching.split_batches(ds, ctx, worker_local=worker_local)
+    ds = batching.split_batches(ds, ctx, worker_local=worker_local,
+                                empty_ok=empty_replicas is True)
     if parse is not None:
         ds = ds.map(lambda *a: parse(batching.as_element(a)), num_parallel_calls=AUTOTUNE,
                     deterministic=True)
@@ -266,7 +273,8 @@ def distribute(strategy, source, *, options=None, **kwargs):
 
 
 _WORKER_KWARGS = ("global_batch_size", "shard", "parse_fn", "shuffle_seed", "shuffle_buffer",
-                  "epoch", "epochs", "start_step", "drop_remainder", "reader", "prefetch")
+                  "epoch", "epochs", "start_step", "drop_remainder", "reader", "prefetch",
+                  "empty_replicas")
 
 
 def skip_to(dataset: tf.data.Dataset, step: int, input_context=None) -> tf.data.Dataset:

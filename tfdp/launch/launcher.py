@@ -165,7 +165,7 @@ def launch(cmd: Sequence[str], workers: int, *, cpu_replicas: int | None = None,
         ``sys.stderr`` at call time); launcher messages go to ``stderr``.
       host: the loopback address the workers advertise in ``TF_CONFIG`` (only loopback is
         allowed).
-      output: ``"all"`` (the default here; ``tfdp launch --all-output``): every worker's output
+      output: ``"all"`` (the default here; ``tfdp launch --output all``): every worker's output
         line by line with its ``[worker i] `` prefix; ``"worker0"`` (the ``tfdp launch``
         default): worker 0's output live (partial lines and ``\r`` progress updates as they
         come), every worker's output in ``log_dir/worker-<i>.log``, and a failed worker's last
@@ -287,6 +287,8 @@ class _Job:
         if cpu_replicas is not None:
             base["TFDP_CPU_REPLICAS"] = str(cpu_replicas)
         self.user_level = base.get(LEVEL_ENV, "").strip() or None
+        self.replicas = _replicas_note(self.num_workers, base.get("TFDP_CPU_REPLICAS"),
+                                       gpus_per_worker, env)
         self.level = output_lib.parse_level(quiet_tensorflow(base, verbose=verbose))
         self.envs = [dict(base, TFDP_WORKER_RANK=str(rank_offset + i),
                           TFDP_LOCAL_RANK=str(i)) for i in range(workers)]
@@ -323,12 +325,11 @@ class _Job:
 
     def announce(self) -> None:
         """One line: what is shown, where the logs are, what is hidden."""
-        parts = []
+        parts = [self.replicas]
         if self.output == "worker0":
             shown = ("worker 0's output follows" if self.rank_offset == 0
                      else "worker 0 runs on node 0: its output is shown there")
-            parts.append(f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}; "
-                         f"{shown} (--all-output: every worker's)")
+            parts.append(f"{shown} (--output all: every worker's)")
         if self.log_dir:
             parts.append(f"logs: {self.logs_pattern()}")
         if self.user_level is None and self.level:
@@ -484,6 +485,26 @@ class _ForwardedSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _replicas_note(workers: int, cpu_replicas, gpus_per_worker, env) -> str:
+    """``2 workers x 2 CPU replicas = 4 replicas``: what the header can tell without TensorFlow
+    (each worker's own first line says what it really runs on)."""
+    w = f"{workers} worker{'s' if workers > 1 else ''}"
+    if gpus_per_worker:
+        g = gpus_per_worker
+        return f"{w} x {g} GPU{'s' if g > 1 else ''} = {workers * g} replicas"
+    try:
+        k = int(str(cpu_replicas).strip()) if cpu_replicas is not None else None
+    except ValueError:
+        k = None
+    no_gpus = gpus_per_worker == 0 or env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    if k is not None and k >= 1:
+        return (f"{w} x {k} CPU replica{'s' if k > 1 else ''} = {workers * k} "
+                f"replica{'s' if workers * k > 1 else ''}"
+                + ("" if no_gpus else " (a worker with GPUs uses its GPUs instead)"))
+    return (f"{w} x {'1 CPU replica' if no_gpus else 'its GPUs, else 1 CPU replica'} each "
+            "(--cpu-replicas K: K CPU replicas per worker)")
 
 
 def _check_workers(workers, name) -> None:

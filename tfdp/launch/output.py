@@ -9,7 +9,7 @@ Each worker pipe (stdout, stderr) has one reader thread (:func:`pump`) that
 * and, when the worker is shown on the terminal, forwards its output with the ``[worker i] ``
   prefix, either **live** (partial lines and ``\\r`` progress updates as they arrive, the prefix
   after every newline and carriage return: Keras's progress bar stays one updating line) or by
-  **lines** (``--all-output``: every worker, whole lines, as before).
+  **lines** (``--output all``: every worker, whole lines, as before).
 
 TensorFlow prints a few C++ log lines before it applies ``TF_CPP_MIN_LOG_LEVEL`` (absl's
 "All log messages before absl::InitializeLog() is called are written to STDERR" and the oneDNN

@@ -30,7 +30,9 @@ function that is not in it, keyword arguments the function does not take, a wron
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -38,23 +40,40 @@ import sys
 from tfdp.errors import TfdpError, UsageError, message
 
 
-def resolve(text: str, where: str, config_path: str = ""):
-    """``"package.module:function"`` -> the function (``where``: ``"model.builder"``)."""
-    module_name, _, attr = text.partition(":")
+def _add_paths(config_path: str) -> None:
     for folder in (os.path.dirname(os.path.abspath(config_path)) if config_path else None,
                    os.getcwd()):
         if folder and folder not in sys.path:
             sys.path.append(folder)
+
+
+def _no_module(where, text, missing, config_path) -> UsageError:
+    module_name = text.partition(":")[0]
+    return UsageError(message(
+        f"{where}: no module named {missing!r}", f"{where}={text!r}",
+        f"Put {module_name.replace('.', '/')}.py next to the config "
+        f"({os.path.dirname(os.path.abspath(config_path)) if config_path else '.'}) or in "
+        "the working directory, or install its package."))
+
+
+def _no_function(where, text, names, file) -> UsageError:
+    module_name, _, attr = text.partition(":")
+    return UsageError(message(
+        f"{where}: module {module_name!r} has no function {attr!r}", f"{where}={text!r}",
+        ("Functions defined there: " + ", ".join(names) + ".") if names else
+        f"Define def {attr}(...) in {file}."))
+
+
+def resolve(text: str, where: str, config_path: str = ""):
+    """``"package.module:function"`` -> the function (``where``: ``"model.builder"``)."""
+    module_name, _, attr = text.partition(":")
+    _add_paths(config_path)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing = e.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
-            raise UsageError(message(
-                f"{where}: no module named {missing!r}", f"{where}={text!r}",
-                f"Put {module_name.replace('.', '/')}.py next to the config "
-                f"({os.path.dirname(os.path.abspath(config_path)) if config_path else '.'}) or in "
-                "the working directory, or install its package.")) from None
+            raise _no_module(where, text, missing, config_path) from None
         raise TfdpError(message(f"{where}: importing {module_name!r} failed",
                                 f"{type(e).__name__}: {e}",
                                 "Fix the import inside that module.")) from e
@@ -63,10 +82,7 @@ def resolve(text: str, where: str, config_path: str = ""):
         public = sorted(n for n, v in vars(module).items()
                         if callable(v) and not n.startswith("_")
                         and getattr(v, "__module__", None) == module.__name__)
-        raise UsageError(message(
-            f"{where}: module {module_name!r} has no function {attr!r}", f"{where}={text!r}",
-            ("Functions defined there: " + ", ".join(public) + ".") if public else
-            f"Define def {attr}(...) in {getattr(module, '__file__', module_name)}."))
+        raise _no_function(where, text, public, getattr(module, "__file__", module_name))
     if not callable(fn):
         raise UsageError(message(f"{where}: {text!r} is not a function", f"{type(fn).__name__}",
                                  "Point it at a function."))
@@ -161,14 +177,122 @@ def _datasets(out, text, style):
     return out
 
 
-def build_data(cfg):
-    """A :class:`tfdp.train.data.Data` from ``[data] builder``."""
-    import tensorflow as tf
+class _Declared:
+    """A builder function as its module's source declares it (read, not imported): its
+    signature, for the checks that need no TensorFlow."""
 
-    from tfdp.train.data import Data
+    def __init__(self, signature):
+        self.__signature__ = signature
+
+    def __call__(self, *args, **kwargs):   # (inspect.signature wants a callable)
+        raise TypeError("a declaration, not the function")
+
+
+def _signature(fn: ast.FunctionDef) -> inspect.Signature:
+    a, P = fn.args, inspect.Parameter
+    params = []
+    positional = a.posonlyargs + a.args
+    first_default = len(positional) - len(a.defaults)
+    for i, arg in enumerate(positional):
+        kind = P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD
+        params.append(P(arg.arg, kind, default=None if i >= first_default else P.empty))
+    if a.vararg:
+        params.append(P(a.vararg.arg, P.VAR_POSITIONAL))
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        params.append(P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else None))
+    if a.kwarg:
+        params.append(P(a.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _top_level_names(body, functions, others) -> bool:
+    """Collect the names a module binds at top level; False if it cannot be told (``import *``,
+    a module ``__getattr__``)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name == "__getattr__":
+                return False
+            (others if node.name in functions or node.decorator_list else functions)[
+                node.name] = node
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return False
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                others[(a.asname or a.name).split(".")[0]] = node
+        elif isinstance(node, ast.ClassDef):
+            others[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+            for target in ast.walk(node):
+                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
+                    others[target.id] = node
+        elif isinstance(node, (ast.If, ast.Try)):
+            for block in ([node.body, node.orelse] + ([node.finalbody] + [
+                    h.body for h in node.handlers] if isinstance(node, ast.Try) else [])):
+                if not _top_level_names(block, others, others):
+                    return False
+    return True
+
+
+def declared(text: str, where: str, config_path: str = ""):
+    """What ``"module:function"`` is, from the module's source, without importing the module
+    (so without TensorFlow): a stand-in with the function's signature, or None when the source
+    cannot tell (a compiled module, a decorated or assigned function, ``import *``).
+
+    Raises:
+      UsageError: no such module, or the module defines no such name.
+    """
+    module_name, _, attr = text.partition(":")
+    _add_paths(config_path)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError as e:   # a parent package is missing
+        raise _no_module(where, text, e.name or module_name, config_path) from None
+    except (ImportError, ValueError):   # a parent package failed to import: said at the run
+        return None
+    if spec is None:
+        raise _no_module(where, text, module_name, config_path)
+    origin = spec.origin or ""
+    if not origin.endswith(".py") or not os.path.isfile(origin):
+        return None
+    try:
+        with open(origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), origin)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None   # (importing it says what is wrong, at the run)
+    functions, others = {}, {}
+    if not _top_level_names(tree.body, functions, others):
+        return None
+    if attr in others:
+        return None
+    if attr not in functions:
+        defined = {**others, **functions}
+        public = sorted(n for n, node in defined.items() if not n.startswith("_")
+                        and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        raise _no_function(where, text, public, origin)
+    return _Declared(_signature(functions[attr]))
+
+
+def precheck(cfg) -> None:
+    """Check ``[model] builder`` and ``[data] builder`` without calling them, before TensorFlow
+    starts: the module imports, the function exists, it takes the table's keys (and, for data,
+    ``input_context`` or ``global_batch_size``). Raises the same one-line errors as the run."""
+    m = cfg["model"]
+    if "builder" in m:
+        fn = declared(m["builder"], "model.builder", cfg.path)
+        if fn is not None:
+            check_kwargs(fn, dict(m["kwargs"]), "model.builder", m["builder"])
+    if "builder" in cfg["data"]:
+        fn = declared(cfg["data"]["builder"], "data.builder", cfg.path)
+        if fn is not None:
+            _data_function(cfg, fn)
+
+
+def _data_function(cfg, fn=None):
+    """``[data] builder``: (function, its parameters, style, keyword arguments), checked
+    (``fn``: the function or its declaration; default: the imported function)."""
     d = cfg["data"]
     text, kwargs = d["builder"], dict(d["kwargs"])
-    fn = resolve(text, "data.builder", cfg.path)
+    fn = resolve(text, "data.builder", cfg.path) if fn is None else fn
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -195,6 +319,17 @@ def build_data(cfg):
                 "It is passed to the function when the function takes it."))
     check_kwargs(fn, kwargs, "data.builder", text,
                  passed=(style, "global_batch_size", "shuffle_seed"))
+    return fn, params, style, kwargs
+
+
+def build_data(cfg):
+    """A :class:`tfdp.train.data.Data` from ``[data] builder``."""
+    import tensorflow as tf
+
+    from tfdp.train.data import Data
+    d = cfg["data"]
+    text = d["builder"]
+    fn, params, style, kwargs = _data_function(cfg)
     if "shuffle_seed" in params:
         kwargs["shuffle_seed"] = d["shuffle_seed"]
     wants_gbs = "global_batch_size" in params and style == "input_context"

@@ -4,15 +4,17 @@ Builds model, input pipeline and strategy from a TOML config, trains with Keras 
 bar on a terminal, one line per epoch otherwise), evaluates, prints a summary (replicas, global
 and per-replica batch, examples/s, step-time percentiles, an estimate of the all-reduce share,
 final metrics) and checks the config's [targets]. Runs unchanged on one CPU, on N local devices
-and under ``tfdp launch``.
+and under 'tfdp launch'.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
+from tfdp.cli import HELP_HELP, VERBOSE_HELP
 from tfdp.errors import UsageError
 
 EXIT_TARGET_MISSED = 3
@@ -46,7 +48,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser():
     p = _Parser(prog="tfdp train", description=__doc__.split("\n\n")[1], epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                add_help=False)
+    p.add_argument("-h", "--help", action="help", help=HELP_HELP)
     p.add_argument("config", nargs="?", help="a TOML config, e.g. configs/quickstart.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
@@ -57,9 +61,7 @@ def build_parser():
     p.add_argument("--baseline", action="store_true",
                    help="also time 1 replica and print the scaling efficiency")
     p.add_argument("--keys", action="store_true", help="list every config key and exit")
-    p.add_argument("--verbose", action="store_true",
-                   help="show TensorFlow's C++ INFO/WARNING log lines (hidden by default unless "
-                        "TF_CPP_MIN_LOG_LEVEL is set)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 
@@ -80,8 +82,12 @@ def main(argv=None) -> int:
     cpu_replicas_from_env()     # a bad TFDP_CPU_REPLICAS: a usage error (exit 2), before TF
     from tfdp.logs import quiet_tensorflow
     quiet_tensorflow(os.environ, verbose=args.verbose)   # before TensorFlow is imported
-    from tfdp.train.quiet import import_tensorflow
+    from tfdp.train.quiet import import_tensorflow, load_lines_filtered
+    with load_lines_filtered():   # (a builder's module may import TensorFlow)
+        from tfdp.train import builders
+        builders.precheck(cfg)   # [model] / [data] builder mistakes: before TensorFlow starts
     import_tensorflow()      # its load-time lines too (printed before the level applies)
+    logging.getLogger("tfdp").setLevel(logging.WARNING)   # the header below says what runs
     from tfdp.train.runner import run, summary
     result = run(cfg)
     if result.rank == 0:

@@ -173,9 +173,11 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "min_accuracy": Key(_float(0, hi=1)),
         "max_loss": Key(_float(0)),
         "min_auc": Key(_float(0, hi=1)),
-        "max_step_time_ms": Key(_float(0, lo_open=True), help="median (p50) step time"),
-        "min_examples_per_sec": Key(_float(0)),
-        "min_scaling_efficiency": Key(_float(0), help="needs the scaling baseline"),
+        "max_step_time_ms": Key(_float(0, lo_open=True), help="median (p50) step time; "
+                                "absolute: holds only on the machine (and load) it was set on"),
+        "min_examples_per_sec": Key(_float(0), help="absolute, as max_step_time_ms"),
+        "min_scaling_efficiency": Key(_float(0), help="relative: vs 1 replica in the same run "
+                                      "(needs the scaling baseline)"),
     },
 }
 
@@ -309,7 +311,11 @@ class Config:
         return copy.deepcopy(self.sections)
 
 
-def _where(path):
+def _where(path, key=None, given=None):
+    """Where a value came from: `` (--set train.epochs=abc)`` for a key given on the command
+    line, else `` in configs/x.toml``."""
+    if key is not None and given and key in given:
+        return f" (given by --set {given[key]})"
     return f" in {path}" if path else ""
 
 
@@ -323,15 +329,18 @@ def _type_name(v) -> str:
             list: "an array", dict: "a table"}.get(type(v), type(v).__name__)
 
 
-def _check_section(name, raw, keys: dict[str, Key], path, out, where_keys=None):
+def _check_section(name, raw, keys: dict[str, Key], path, out, where_keys=None, given=None):
     valid = list(where_keys or keys)
     for k, v in raw.items():
         if k not in keys:
+            if given and f"{name}.{k}" in given:
+                raise _unknown("key", f"{name}.{k}", [f"{name}.{x}" for x in valid], "",
+                               how=f" given by --set {given[f'{name}.{k}']}")
             raise _unknown("key", f"{name}.{k}", [f"{name}.{x}" for x in valid], path)
         try:
             out[k] = keys[k].check(v)
         except _Bad as e:
-            raise UsageError(message(f"Invalid {name}.{k}{_where(path)}",
+            raise UsageError(message(f"Invalid {name}.{k}{_where(path, f'{name}.{k}', given)}",
                                      f"{name}.{k}={v!r} ({_type_name(v)})",
                                      f"Expected {e.expected}.")) from None
     for k, spec in keys.items():
@@ -351,8 +360,9 @@ def _example(section, key, spec):
 
 
 def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=(),
-             cli_keys=()) -> Config:
-    """Check a parsed TOML document against the schema; fill in defaults."""
+             cli_keys=(), given=None) -> Config:
+    """Check a parsed TOML document against the schema; fill in defaults. ``given`` maps the
+    ``"section.key"`` values that came from ``--set`` to their text (errors then name --set)."""
     if not isinstance(raw, dict):
         raise UsageError(message("A config must be a TOML table", repr(raw), "See configs/."))
     for name, value in raw.items():
@@ -367,7 +377,7 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=(),
         body = raw.get(name, {})
         out = {}
         if name in ("data", "model") and BUILDER_KEY in body:
-            _check_builder_section(name, body, path, out)
+            _check_builder_section(name, body, path, out, given)
         elif name == "data":
             src = body.get("source")
             if src is None:
@@ -376,9 +386,10 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=(),
                                          'Add e.g. [data] source = "digits" (valid: '
                                          + ", ".join(repr(s) for s in SOURCES) + ') or your '
                                          'own [data] builder = "module:function".'))
-            _check_section(name, {"source": src}, {"source": DATA_COMMON["source"]}, path, out)
+            _check_section(name, {"source": src}, {"source": DATA_COMMON["source"]}, path, out,
+                           given=given)
             keys = {**DATA_COMMON, **SOURCES[out["source"]]}
-            _check_section(name, body, keys, path, out)
+            _check_section(name, body, keys, path, out, given=given)
         elif name == "model":
             kind = body.get("kind")
             if kind is None:
@@ -387,10 +398,11 @@ def validate(raw: dict, path: str = "", *, tiny: bool = False, cli_targets=(),
                                          'Add e.g. [model] kind = "cnn" (valid: '
                                          + ", ".join(repr(s) for s in MODELS) + ') or your '
                                          'own [model] builder = "module:function".'))
-            _check_section(name, {"kind": kind}, MODEL_COMMON, path, out)
-            _check_section(name, body, {**MODEL_COMMON, **MODELS[out["kind"]]}, path, out)
+            _check_section(name, {"kind": kind}, MODEL_COMMON, path, out, given=given)
+            _check_section(name, body, {**MODEL_COMMON, **MODELS[out["kind"]]}, path, out,
+                           given=given)
         else:
-            _check_section(name, body, SECTIONS[name], path, out)
+            _check_section(name, body, SECTIONS[name], path, out, given=given)
         sections[name] = out
     if sections["job"]["name"] is None:
         sections["job"]["name"] = os.path.splitext(os.path.basename(path))[0] if path else "job"
@@ -437,7 +449,7 @@ def _apply_tiny(cfg: Config, raw: dict):
         s["model"].update(TINY["model"][s["model"]["kind"]])
 
 
-def _check_builder_section(name, body, path, out):
+def _check_builder_section(name, body, path, out, given=None):
     """``[data]`` / ``[model]`` with ``builder``: tfdp's own keys are checked here; every other
     key is a keyword argument of the function (checked against its signature at run time)."""
     keys = DATA_BUILDER_KEYS if name == "data" else MODEL_BUILDER_KEYS
@@ -448,11 +460,11 @@ def _check_builder_section(name, body, path, out):
                                  f"{body['builder']!r}", f"Keep one: a built-in {other} or your "
                                  "own builder."))
     own = {k: v for k, v in body.items() if k in keys}
-    _check_section(name, own, keys, path, out)
+    _check_section(name, own, keys, path, out, given=given)
     text = out["builder"]
     mod, _, fn = text.partition(":")
     if not mod or not fn or not all(p.isidentifier() for p in mod.split(".") + [fn]):
-        raise UsageError(message(f"Invalid {name}.builder{_where(path)}",
+        raise UsageError(message(f"Invalid {name}.builder{_where(path, f'{name}.builder', given)}",
                                  f"{name}.builder={text!r}", 'Use "package.module:function", '
                                  'e.g. builder = "my_models:build" (a my_models.py next to the '
                                  "config or in the working directory)."))
@@ -494,9 +506,10 @@ def load(path: str, overrides=(), *, tiny: bool = False) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(message("Cannot read the config", f"{path!r} ({e})",
                                  "Pass a readable UTF-8 TOML file.")) from None
-    cli_targets, cli_keys = [], []
+    cli_targets, cli_keys, given = [], [], {}
     for text in overrides:
         section, key, value = parse_override(text)
+        given[f"{section}.{key}"] = text.strip()
         if section not in SECTION_ORDER:
             raise _unknown("section", section, list(SECTION_ORDER), "", how=" given by --set")
         table = raw.setdefault(section, {})
@@ -507,7 +520,8 @@ def load(path: str, overrides=(), *, tiny: bool = False) -> Config:
         cli_keys.append(f"{section}.{key}")
         if section == "targets":
             cli_targets.append(key)
-    return validate(raw, path, tiny=tiny, cli_targets=cli_targets, cli_keys=cli_keys)
+    return validate(raw, path, tiny=tiny, cli_targets=cli_targets, cli_keys=cli_keys,
+                    given=given)
 
 
 def describe_schema() -> str:

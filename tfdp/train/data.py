@@ -69,12 +69,12 @@ def _from_datasets(name, description, synthetic, train_ds, eval_ds, n_train, n_e
                    shuffle=True, parse=None):
     def train(strategy, global_batch_size, shuffle_seed):
         return tdata.distribute(strategy, train_ds, global_batch_size=global_batch_size,
-                                shuffle_seed=shuffle_seed if shuffle else None,
+                                empty_replicas=True, shuffle_seed=shuffle_seed if shuffle else None,
                                 shuffle_buffer=n_train, epochs=None, parse_fn=parse)
 
     def evaluate(strategy, global_batch_size):
         return tdata.distribute(strategy, eval_ds, global_batch_size=global_batch_size,
-                                parse_fn=parse)
+                                empty_replicas=True, parse_fn=parse)
 
     def local(batch_size):
         ds = train_ds.repeat().batch(batch_size, drop_remainder=True)
@@ -150,13 +150,15 @@ def cifar10(d, seed):
         def train(strategy, global_batch_size, shuffle_seed):
             return tdata.load_tfds("cifar10", f"train[:{n_train}]", strategy,
                                    global_batch_size=global_batch_size, as_supervised=True,
-                                   data_dir=d["data_dir"], shuffle_seed=shuffle_seed,
-                                   shuffle_buffer=n_train, epochs=None, parse_fn=parse)
+                                   empty_replicas=True, data_dir=d["data_dir"],
+                                   shuffle_seed=shuffle_seed, shuffle_buffer=n_train, epochs=None,
+                                   parse_fn=parse)
 
         def evaluate(strategy, global_batch_size):
             return tdata.load_tfds("cifar10", f"test[:{n_eval}]", strategy,
                                    global_batch_size=global_batch_size, as_supervised=True,
-                                   data_dir=d["data_dir"], shard="data", parse_fn=parse)
+                                   empty_replicas=True, data_dir=d["data_dir"], shard="data",
+                                   parse_fn=parse)
 
         def local(batch_size):
             ds = tfds.load("cifar10", split=f"train[:{n_train}]", as_supervised=True,
@@ -278,12 +280,12 @@ def interactions(d, seed):
 
     def train(strategy, global_batch_size, shuffle_seed):
         return tdata.distribute(strategy, train_files, global_batch_size=global_batch_size,
-                                shard="files", parse_fn=_parse_interactions,
+                                empty_replicas=True, shard="files", parse_fn=_parse_interactions,
                                 shuffle_seed=shuffle_seed, epochs=None)
 
     def evaluate(strategy, global_batch_size):
         return tdata.distribute(strategy, eval_files, global_batch_size=global_batch_size,
-                                shard="data", parse_fn=_parse_interactions)
+                                empty_replicas=True, shard="data", parse_fn=_parse_interactions)
 
     def local(batch_size):
         return (tf.data.TFRecordDataset(train_files).repeat()

@@ -16,6 +16,7 @@ tracebacks are written back unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -36,25 +37,25 @@ def _hidden(line: str, level: int) -> bool:
     return {"I": level >= 1, "W": level >= 2, "E": level >= 3, "F": False}[m.group(1)]
 
 
-def import_tensorflow(environ=None) -> None:
-    """``import tensorflow`` (and keras) with the load-time lines filtered by the log level in
-    effect (``TF_CPP_MIN_LOG_LEVEL``; unset or 0: nothing is filtered)."""
+@contextlib.contextmanager
+def load_lines_filtered(environ=None):
+    """Capture the process's stderr (fd 2) while the block runs, then write back every line
+    except the absl INFO/WARNING lines the log level in effect hides (nothing is filtered at
+    level 0 or when TensorFlow was already imported)."""
     environ = os.environ if environ is None else environ
     try:
         level = int(environ.get(LEVEL_ENV, "0").strip() or 0)
     except ValueError:
         level = 0
     if level <= 0 or "tensorflow" in sys.modules:
-        import keras  # noqa: F401
-        import tensorflow  # noqa: F401
+        yield
         return
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            import tensorflow  # noqa: F401
-            import keras  # noqa: F401
+            yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
@@ -65,3 +66,11 @@ def import_tensorflow(environ=None) -> None:
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+def import_tensorflow(environ=None) -> None:
+    """``import tensorflow`` (and keras) with the load-time lines filtered by the log level in
+    effect (``TF_CPP_MIN_LOG_LEVEL``; unset or 0: nothing is filtered)."""
+    with load_lines_filtered(environ):
+        import tensorflow  # noqa: F401
+        import keras  # noqa: F401

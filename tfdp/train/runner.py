@@ -56,9 +56,9 @@ class Result:
         return [t for t in self.targets if not t[3]]
 
 
-def _say(text, rank):
+def _say(text, rank, file=None):
     if rank == 0:
-        print(text, flush=True)
+        print(text, flush=True, file=file)
 
 
 def _have_tensorboard() -> bool:
@@ -136,11 +136,10 @@ def run(cfg: Config) -> Result:
 
     if B < replicas and cfg.tiny and "data.global_batch_size" not in cfg.cli_keys:
         B = cfg["data"]["global_batch_size"] = replicas   # --tiny's small batch, many replicas
-    if B < replicas:
-        from tfdp.errors import UsageError, message
-        raise UsageError(message("data.global_batch_size is smaller than the number of replicas",
-                                 f"data.global_batch_size={B} for {replicas} replicas",
-                                 f"Use at least {replicas} (one example per replica)."))
+    if B < replicas:   # exact (an empty replica adds nothing), but those replicas idle
+        _say(f"tfdp train: warning: data.global_batch_size={B} on {replicas} replicas: "
+             f"{replicas - B} replica(s) get no examples in every step (the result is still "
+             f"exact); use at least {replicas} to keep every replica busy", rank, sys.stderr)
     data = data_lib.build(cfg)
     if data.num_train is None:    # [data] builder: steps from the datasets' cardinality
         full_pass = data.steps(strategy, B)
@@ -238,9 +237,12 @@ def run(cfg: Config) -> Result:
                                                repeats=3 if cfg.tiny else 7)
     baseline = None
     want_stragglers = mon["stragglers"] and workers > 1
-    if mon["scaling_baseline"] or want_stragglers:
+    if mon["scaling_baseline"]:
         baseline = monitor.local_baseline(build_model, data,
                                           max(1, B // replicas), mon["baseline_steps"])
+    elif want_stragglers:   # (a forward + backward probe: no whole train step to trace)
+        baseline = monitor.local_compute(build_model, data, max(1, B // replicas),
+                                         min(10, mon["baseline_steps"]))
     stragglers = None
     if want_stragglers:
         figures = {"compute_ms_p50": baseline.get("step_time_ms_p50", 0.0),
