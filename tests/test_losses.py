@@ -115,20 +115,20 @@ def test_gradient_with_respect_to_tensors_is_not_weighted():
 
 
 def test_scalar_loss_function_warns_once(caplog):
-    def my_mse(y_true, y_pred):
+    def warned_mse(y_true, y_pred):  # (a name no other test's loss has: the warning is once)
         return keras.ops.mean(keras.ops.square(y_true - y_pred))
 
     strategy = tfdp.DataParallelStrategy(DEVS)
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-        model.compile("sgd", loss=my_mse)
+        model.compile("sgd", loss=warned_mse)
     with caplog.at_level(logging.WARNING, logger="tfdp"):
         model.fit(np.ones((10, 3), "float32"), np.ones((10, 1), "float32"), batch_size=5,
                   epochs=2, verbose=0)
     lines = [r.getMessage() for r in caplog.records if "returned one scalar" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "my_mse" in lines[0] and "per-example values" in lines[0]
+    assert "warned_mse" in lines[0] and "per-example values" in lines[0]
 
 
 def test_masked_loss_under_per_replica_xla_is_refused_clearly():
