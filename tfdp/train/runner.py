@@ -240,8 +240,8 @@ def run(cfg: Config) -> Result:
     if mon["scaling_baseline"]:
         baseline = monitor.local_baseline(build_model, data,
                                           max(1, B // replicas), mon["baseline_steps"])
-    elif want_stragglers:   # (a forward + backward probe: no whole train step to trace)
-        baseline = monitor.local_compute(build_model, data, max(1, B // replicas),
+    elif want_stragglers:   # (a forward-pass probe: no fresh model, no train step to trace)
+        baseline = monitor.local_compute(model, data, max(1, B // replicas),
                                          min(10, mon["baseline_steps"]))
     stragglers = None
     if want_stragglers:
