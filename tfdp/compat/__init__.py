@@ -5,6 +5,8 @@
 * ``keras_internals.py``: Keras 3's internals (hook points of the gradient path, the callbacks
   and the fast paths) and ``wrap``, the one mechanism that wraps them.
 * ``profiler_internals.py``: what ``tfdp bench`` reads (MirroredStrategy's reduction, traces).
+* ``iterator_internals.py``: the multi-device iterator of a distributed dataset, built with its
+  per-device functions traced once (``tfdp.data._iterators``).
 * ``names.py``: the list of every private name (imports, calls, overridden hooks, wrapped
   functions, attributes), why each is needed, and the tested version range; a test asserts each
   still exists in the installed TensorFlow / Keras, and ``import tfdp`` logs one warning under
@@ -18,7 +20,7 @@ as an attribute (``tfp.MirroredExtended``, ``tfp.wrap_keras``, ...), loaded when
 import importlib
 
 _SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
-               "tfdp.compat.profiler_internals")
+               "tfdp.compat.profiler_internals", "tfdp.compat.iterator_internals")
 
 
 def __getattr__(name):

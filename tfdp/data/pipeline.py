@@ -269,7 +269,8 @@ def distribute(strategy, source, *, options=None, **kwargs):
         def fn(input_context):
             ds = worker_dataset(source, input_context, **kwargs)
             return _unknown_cardinality_if_several_local(ds, input_context)
-    return strategy.distribute_datasets_from_function(fn, options)
+    from tfdp.data._iterators import for_strategy
+    return for_strategy(strategy, strategy.distribute_datasets_from_function(fn, options))
 
 
 _WORKER_KWARGS = ("global_batch_size", "shard", "parse_fn", "shuffle_seed", "shuffle_buffer",

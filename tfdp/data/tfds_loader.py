@@ -67,7 +67,8 @@ def load_tfds(name: str, split: str, context, *, global_batch_size: int, shard: 
                            shard=shard, read_config=read_config, data_dir=data_dir,
                            **worker_kwargs, **kwargs)
             return pipeline._unknown_cardinality_if_several_local(ds, input_context)
-        return context.distribute_datasets_from_function(fn, options)
+        from tfdp.data._iterators import for_strategy
+        return for_strategy(context, context.distribute_datasets_from_function(fn, options))
     ctx = check_input_context(context, name="context")
 
     import tensorflow_datasets as tfds  # heavy: only when used

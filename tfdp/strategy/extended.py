@@ -399,8 +399,11 @@ class DataParallelExtendedBase:
             return OneReplicaDataset(dataset)
         # A Python-function source (Keras's PyDataset / generator adapters) hands numpy memory
         # to TF zero-copy, and the per-replica rebatch makes it writable (tfdp.data._no_alias).
+        # Every iter() (each epoch of fit) gets a cheaper MultiDeviceIterator (data._iterators)
+        from tfdp.data._iterators import fast_iterators
         from tfdp.data._no_alias import no_numpy_alias
-        return super()._experimental_distribute_dataset(no_numpy_alias(dataset), options)
+        return fast_iterators(
+            super()._experimental_distribute_dataset(no_numpy_alias(dataset), options))
 
     # --- destinations ------------------------------------------------------------------------
 
