@@ -44,6 +44,9 @@ COMMANDS = {
     "overhead": ("tfdp.bench.overhead",
                  "what one replica costs: tfdp on one device and MirroredStrategy on one device\n"
                  "vs plain Keras (wall and CPU time per step)"),
+    "fitcalls": ("tfdp.bench.fitcalls",
+                 "whole short model.fit calls (set-up, iterator starts, teardown): loops of\n"
+                 "1/5/20 fits and fit(validation_data=...), tfdp vs MirroredStrategy vs none"),
     "embedding": ("tfdp.bench.embedding",
                   "Keras fit of a recommender-shaped model (Embedding + MLP): tfdp vs\n"
                   "MirroredStrategy, SGD / momentum / Adam"),
@@ -55,6 +58,7 @@ COMMANDS = {
     "gpu": ("tfdp.bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"
             "images/s, all-reduce GB/s); one line and exit 0 without a GPU; --cpu-dry-run"),
+    "zero": ("tfdp.bench.zero", "zero_stage vs unsharded: optimizer bytes/device, memory, speed"),
 }
 
 USAGE = ("usage: tfdp bench {" + ",".join(COMMANDS) + "} [options]   "
@@ -67,6 +71,7 @@ EXAMPLES = """examples:
   tfdp bench allreduce --workers 2 --sizes 1M,16M,64M --compression none,fp16 --plot w.png
   tfdp bench fit --cpu-replicas 4 --steps 20
   tfdp bench fit --trace /tmp/fit-trace
+  tfdp bench fitcalls --calls 1,5,20 --rounds 3
   tfdp bench patterns --rows clipnorm_uneven,two_optimizers
   tfdp bench gpu"""
 

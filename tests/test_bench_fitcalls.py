@@ -1,0 +1,52 @@
+"""tfdp bench fitcalls: the figures are well-formed (no timing assertions) and usage errors are
+one line."""
+
+import json
+import math
+
+import pytest
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_run_fitcalls_in_process(cpu_devices):
+    from tfdp.bench.fitcalls import format_fitcalls, run_fitcalls
+    result = run_fitcalls(cpu_replicas=len(cpu_devices), layers=2, width=8, batch=16, steps=2,
+                          val_steps=1, epochs=2, rounds=1, calls=(1, 2))
+    rows = result["results"]
+    assert [r["kind"] for r in rows[:3]] == ["tfdp", "mirrored", "none"]
+    assert {r["scenario"] for r in rows} == {"1 fit call", "2 fit calls",
+                                             "fit, 2 epochs, validation_data"}
+    for r in rows:
+        assert positive(r["median_call_s"]) and positive(r["median_first_batch_s"])
+        assert len(r["call_s"]) == r["calls_per_loop"]
+        assert r["median_first_batch_s"] <= r["max_call_s"]
+    assert {r["call_over_none"] for r in rows if r["kind"] == "none"} == {1.0}
+    json.dumps(result)
+    text = format_fitcalls(result)
+    assert "call x none" in text and "tfdp 4 replicas" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--calls", "0"], "Invalid --calls"),
+    (["--calls", "a,b"], "Invalid --calls"),
+    (["--steps", "1"], "Invalid --steps"),
+    (["--batch", "2", "--cpu-replicas", "4"], "Invalid --batch"),
+    (["--input", "csv"], "invalid choice"),
+])
+def test_usage_errors(argv, needle):
+    from tfdp.bench.fitcalls import parse_args
+    from tfdp.errors import UsageError
+    with pytest.raises(UsageError, match=needle) as e:
+        parse_args(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_registered():
+    from tfdp.bench.cli import COMMANDS, help_text
+    assert COMMANDS["fitcalls"][0] == "tfdp.bench.fitcalls"
+    assert "fitcalls" in help_text()
