@@ -356,6 +356,18 @@ def keras_optimizer_built_variables(optimizer):
     return getattr(optimizer, "_trainable_variables", None)
 
 
+def keras_variable_value(variable):
+    """The storage a Keras variable holds (``_value``: a tf.Variable, or zero_stage's
+    ShardedVariable), or None."""
+    return getattr(variable, "_value", None)
+
+
+def set_keras_variable_value(variable, value) -> None:
+    """Point a Keras variable at another storage (zero_stage's row-split update reads and
+    writes one owner's piece of a slot while it traces that owner's update)."""
+    variable._value = value  # pylint: disable=protected-access
+
+
 def wrap_keras_zero(hooks) -> None:
     """``wrap`` at ``keras_zero_hook_points()`` (its own marker: ``apply`` is also wrapped by the
     gradient path)."""

@@ -100,6 +100,11 @@ NAMES: tuple[Private, ...] = (
             "one replica's values from PerReplica"),
     Private("tensorflow.python.distribute.distribute_utils", "update_regroup", "call",
             "the result of an owner-only update (zero_stage)"),
+    Private("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "import",
+            "a slot split by rows among owners, whole for reads and checkpoints (zero_stage)"),
+    Private("keras.src.backend.tensorflow.optimizer:TFOptimizer", "_var_key", "call",
+            "(reads _distributed_container) a row block of a split variable is given its "
+            "container's, so Keras finds the variable's slots (zero_stage)"),
     Private("tensorflow.python.distribute.cross_device_ops", "get_devices_from", "call",
             "destinations -> device strings"),
     Private("tensorflow.python.distribute.cross_device_ops", "check_destinations", "call",
@@ -232,6 +237,8 @@ NAMES: tuple[Private, ...] = (
             "make the owner plan before the slots are created"),
     Private("keras.src.optimizers.base_optimizer:BaseOptimizer", "_trainable_variables",
             "state", "the variables of apply(grads) without variables (zero_stage=2)"),
+    Private("keras.src.backend.common.variables:Variable", "_value", "state",
+            "a row-split slot's storage (zero_stage, tfdp.zero.rows)"),
     Private("keras.src.optimizers.base_optimizer:BaseOptimizer", "_backend_apply_gradients",
             "wrap", "refuse what cannot be sharded exactly, after build, before any update"),
     # --- tfdp bench ---------------------------------------------------------------------------

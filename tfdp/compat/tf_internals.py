@@ -138,6 +138,37 @@ def update_regroup(extended, updates, group):
     return _distribute_utils.update_regroup(extended, updates, group)
 
 
+_row_sharded_class = None
+
+
+def sharded_variable(variables, name: str):
+    """TF's ``ShardedVariable`` of ``variables`` (row pieces): reads, ``assign`` and checkpoints
+    see the whole (zero_stage's row-split slots, ``tfdp.zero.rows``); also readable as a numpy
+    array and through ``read_value`` / ``value`` / ``device`` like a variable."""
+    global _row_sharded_class
+    if _row_sharded_class is None:
+        from tensorflow.python.distribute import sharded_variable as _sharded_variable
+
+        class RowShardedVariable(_sharded_variable.ShardedVariable):
+            def read_value(self):
+                return tf.concat([v.read_value() for v in self.variables], 0)
+
+            def value(self):
+                return self.read_value()
+
+            @property
+            def device(self):
+                return self.variables[0].device
+
+            def __array__(self, dtype=None, copy=None):
+                del copy
+                a = self.numpy()
+                return a if dtype is None else a.astype(dtype)
+
+        _row_sharded_class = RowShardedVariable
+    return _row_sharded_class(list(variables), name=name)
+
+
 def select_replica(replica_id: int, structure):
     """The components of replica ``replica_id`` in a structure of PerReplica values."""
     return _distribute_utils.select_replica(replica_id, structure)

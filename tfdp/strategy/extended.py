@@ -324,17 +324,15 @@ class DataParallelExtendedBase:
 
     def _update(self, var, fn, args, kwargs, group):
         zero = self.tfdp_zero
-        owner = None if zero is None else zero.owner_of(var)
-        if owner is None:
+        if zero is None or not zero.handles(var):
             return super()._update(var, fn, args, kwargs, group)
-        return zero.update(var, owner, fn, args, kwargs, group)
+        return zero.update(var, fn, args, kwargs, group)
 
     def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
         zero = self.tfdp_zero
-        owner = None if zero is None else zero.owner_of(var)
-        if owner is None or self._use_merge_call():
+        if zero is None or not zero.handles(var) or self._use_merge_call():
             return super()._replica_ctx_update(var, fn, args, kwargs, group)
-        return zero.replica_update(var, owner, fn, args, kwargs or {})
+        return zero.replica_update(var, fn, args, kwargs or {})
 
     # --- mirrored means mirrored: layer state ------------------------------------------------
 

@@ -91,6 +91,8 @@ class ZeroState:
         self._grad_owners = {}  # local replica -> {id(gradient): (gradient, owner)}
         self._pending = {}      # id(optimizer) -> (weakref, [(weakref(var), Entry)])
         self._slot_count = {}   # id(distributed variable) -> sharded slots created for it
+        self._splits = {}       # id(distributed variable) -> rows.SplitTable
+        self._notes = {}        # id(optimizer) -> a note for its plan table
         self.owner_reductions = 0  # traced reductions to owners (zero_stage=2; tests read it)
         self._lock = threading.Lock()
 
@@ -114,14 +116,27 @@ class ZeroState:
             return None
         return hit[1]
 
+    def split_of(self, v):
+        """The ``rows.SplitTable`` of a variable split by rows, or None."""
+        c = container(v)
+        table = None if c is None else self._splits.get(id(c))
+        return table if table is not None and table.container is c else None
+
+    def handles(self, v) -> bool:
+        """Whether updates of ``v`` are sharded (an owner, or rows split among owners)."""
+        return self.owner_of(v) is not None or self.split_of(v) is not None
+
     def plan(self, optimizer, variables):
         """Give every not yet owned distributed variable of ``variables`` an owner (called when
-        ``optimizer`` builds, before it creates its slots). ``finalize`` keeps the owners of
-        the variables that got sharded slots and logs the table."""
+        ``optimizer`` builds, before it creates its slots); with an element-wise optimizer, a
+        variable larger than 1.25 x an owner's share is split by rows among all owners
+        (``rows.py``). ``finalize`` keeps the owners of the variables that got sharded slots
+        and logs the table."""
+        from tfdp.zero import rows as rows_lib
         todo, seen = [], set()
         for v in variables:
             c = container(v)
-            if (c is None or id(c) in seen or self.owner_of(c) is not None
+            if (c is None or id(c) in seen or self.handles(c)
                     or getattr(v, "overwrite_with_gradient", False)
                     or len(getattr(c, "values", ())) != len(self.devices)):
                 continue
@@ -130,12 +145,34 @@ class ZeroState:
         if not todo:
             return
         sizes = [_nbytes(c) for _, c in todo]
+        n = self.num_owners
+        total = sum(sizes) + sum(self._loads)
+        can_split = (n > 1 and self.span_workers == 1 and rows_lib.elementwise(optimizer)
+                     and not getattr(optimizer, "gradient_accumulation_steps", None))
+        split = [can_split and size > rows_lib.SPLIT_ABOVE * total / n
+                 and len(c.shape) >= 1 and c.shape[0] is not None and c.shape[0] >= n
+                 for (_, c), size in zip(todo, sizes)]
         with self._lock:
-            owners = plan_lib.assign_owners(sizes, self.num_owners, self._loads)
             pending = self._pending.setdefault(id(optimizer), (weakref.ref(optimizer), []))[1]
-            for (v, c), size, owner in zip(todo, sizes, owners):
+            for (v, c), size, s in zip(todo, sizes, split):
+                if s:
+                    bounds = rows_lib.row_bounds(int(c.shape[0]), n)
+                    self._splits[id(c)] = rows_lib.SplitTable(c, bounds, self.devices)
+                    for o, (r0, r1) in enumerate(bounds):
+                        self._loads[o] += size * (r1 - r0) // int(c.shape[0])
+                    pending.append((weakref.ref(c), plan_lib.Entry(
+                        _name(v), size, -1, tuple(r1 - r0 for r0, r1 in bounds))))
+            whole = [(vc, size) for vc, size, s in zip(todo, sizes, split) if not s]
+            owners = plan_lib.assign_owners([size for _, size in whole], n, self._loads)
+            for ((v, c), size), owner in zip(whole, owners):
                 self._owners[id(c)] = (weakref.ref(c), owner)
                 pending.append((weakref.ref(c), plan_lib.Entry(_name(v), size, owner)))
+            if not can_split and n > 1 and max(sizes) > rows_lib.SPLIT_ABOVE * total / n:
+                self._notes[id(optimizer)] = (
+                    f"{type(optimizer).__name__} "
+                    + ("accumulates gradients" if rows_lib.elementwise(optimizer)
+                       else "is not element-wise")
+                    + ": whole-variable ownership, no variable split by rows")
 
     def finalize(self, optimizer):
         """After ``optimizer`` built (before its first update): refuse what cannot be sharded
@@ -157,15 +194,21 @@ class ZeroState:
                     continue
                 if self._slot_count.get(id(c), 0):
                     kept.append(entry)
+                    table = self.split_of(c)
+                    if table is not None:
+                        table.bind(o.variables)
                 else:
                     self._owners.pop(id(c), None)
+                    self._splits.pop(id(c), None)
                     dropped.append(entry)
             plan = plan_lib.OwnerPlan(self.num_owners, kept, type(o).__name__, tuple(
                 f"{'' if self.span_workers == 1 else f'w{w}/'}{devices_lib.short_name(d)}"
                 for w in range(self.span_workers) for d in self.devices))
+            notes = [self._notes.pop(id(o), "")]
             if dropped:
-                plan.note = (f"{len(dropped)} variable(s) without per-variable optimizer "
+                notes.append(f"{len(dropped)} variable(s) without per-variable optimizer "
                              "state stay updated on every replica")
+            plan.note = "; ".join(x for x in notes if x)
             self.plans.append(plan)
             if kept:
                 log.info("tfdp: zero_stage=%d: %s optimizer state of %d variable(s) sharded "
@@ -186,7 +229,14 @@ class ZeroState:
             return None
         owner = self.owner_of(colocate)
         name = str(kwargs.get("name") or "")
-        if owner is None or name.endswith(PER_REPLICA_SLOTS):
+        if name.endswith(PER_REPLICA_SLOTS):
+            return None
+        table = self.split_of(colocate) if owner is None else None
+        if table is not None:
+            v = table.make_slot(next_creator, kwargs)
+            self._slot_count[id(colocate)] = self._slot_count.get(id(colocate), 0) + 1
+            return v
+        if owner is None:
             return None
         kwargs = dict(kwargs)
         kwargs.pop("colocate_with")
@@ -210,6 +260,9 @@ class ZeroState:
                 if devices_lib.canonical(d) == dev:
                     out[i] += _nbytes(v)
         self._slots = alive
+        for table in self._splits.values():
+            for i, b in enumerate(table.slot_bytes(self.devices)):
+                out[i] += b
         return out
 
     # --- checks ------------------------------------------------------------------------
@@ -292,11 +345,15 @@ class ZeroState:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def update(self, var, owner, fn, args, kwargs, group):
-        """``extended.update`` of an owned variable in cross-replica context."""
+    def update(self, var, fn, args, kwargs, group):
+        """``extended.update`` of a sharded variable (``handles``) in cross-replica context."""
         ext = self.extended
         comps = list(var.values)
         from tfdp.reduce import owner as owner_lib
+        owner = self.owner_of(var)
+        if owner is None:  # split by rows
+            self.split_of(var).update(var, fn, args, kwargs)
+            return tfp.update_regroup(ext, [None] * len(comps), group)
         if self.span_workers > 1:
             return self._update_job_span(ext, comps, owner, fn, args, kwargs, group)
         with tf.device(comps[owner].device), tf.name_scope(f"update_{owner}"):
@@ -328,7 +385,7 @@ class ZeroState:
                     c.assign(value, read_value=False)
         return tfp.update_regroup(ext, [result] * len(comps), group)
 
-    def replica_update(self, var, owner, fn, args, kwargs):
+    def replica_update(self, var, fn, args, kwargs):
         """``extended.update`` of an owned variable from a replica context without merge_call
         (Keras's accumulation branch): the owner updates, every replica joins one collective
         that carries the new value."""
@@ -348,6 +405,12 @@ class ZeroState:
             raise TfdpError(message(
                 "TFDP_ZERO_SPAN=job (a measurement mode of tfdp bench zero) does not run "
                 "Keras's gradient accumulation", f"{SPAN_ENV}=job", f"Unset {SPAN_ENV}."))
+        owner = self.owner_of(var)
+        if owner is None:  # (never planned: optimizers that accumulate are not split)
+            raise TfdpError(message(
+                "A variable split by rows cannot be updated inside Keras's accumulation branch",
+                _name(var), "Fix: zero_stage=0, or an optimizer without "
+                "gradient_accumulation_steps."))
         replica = tfp.current_replica_id()
         comp = var.values[replica]
         result = None
