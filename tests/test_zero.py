@@ -245,3 +245,29 @@ def test_zero_hook_points_are_listed_in_compat_names():
     listed = {(e.owner, e.name) for e in names.NAMES}
     for owner, attr in compat.keras_zero_hook_points().values():
         assert (f"{owner.__module__}:{owner.__qualname__}", attr) in listed
+
+
+# --- the same argument in tfdp train configs and tfdp.set_default_strategy --------------------
+
+def test_train_config_key_and_default_strategy(monkeypatch):
+    import os
+
+    import tensorflow as tf
+
+    import tfdp
+    from tfdp.train import config as config_lib
+    from tfdp.train import runner
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load(os.path.join(root, "configs", "quickstart.toml"),
+                          ["strategy.cpu_replicas=4", "strategy.zero_stage=2"], tiny=True)
+    assert cfg["strategy"]["zero_stage"] == 2
+    assert runner._make_strategy(cfg).zero_stage == 2
+    from tfdp.errors import UsageError
+    with pytest.raises(UsageError, match="strategy.zero_stage"):
+        config_lib.load(os.path.join(root, "configs", "quickstart.toml"),
+                        ["strategy.zero_stage=3"], tiny=True)
+    strategy = tfdp.set_default_strategy(devices=DEVICES, zero_stage=1)
+    try:
+        assert strategy.zero_stage == 1 and tf.distribute.get_strategy() is strategy
+    finally:
+        tf.distribute.experimental_set_strategy(None)

@@ -4,7 +4,7 @@ Sections and keys (every key is checked; an unknown or mistyped key is an error 
 and listing the valid ones, so a typo never passes silently)::
 
     [job]       name, seed
-    [strategy]  cpu_replicas, all_reduce, bucket_bytes, compression
+    [strategy]  cpu_replicas, all_reduce, bucket_bytes, compression, zero_stage
     [data]      source + the keys of that source (see SOURCES), global_batch_size, shuffle_seed;
                 or builder = "module:function" + that function's keyword arguments
     [model]     kind + the keys of that kind (see MODELS);
@@ -137,6 +137,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "bucket_bytes": Key(_int(0), None, help="fused bucket capacity (default: tfdp's)"),
         "compression": Key(_choice("none", "fp16", "bf16"), "none",
                            help="gradient compression on the wire"),
+        "zero_stage": Key(_int(0, 2), 0, help="sharded optimizer state (tfdp.zero): 0 off, 1 "
+                          "each variable's slots on one owner replica, 2 also its gradient "
+                          "summed onto the owner only"),
     },
     "train": {
         "epochs": Key(_int(1), 1),

@@ -98,7 +98,7 @@ def _make_strategy(cfg: Config):
             tfdp.configure_cpu_replicas(n)   # quiet: the run's header line says why
     comp = None if s["compression"] == "none" else s["compression"]
     return tfdp.DataParallelStrategy(all_reduce=s["all_reduce"], bucket_bytes=s["bucket_bytes"],
-                                     compression=comp)
+                                     compression=comp, zero_stage=s["zero_stage"])
 
 
 def _optimizer(train_cfg, lr):
