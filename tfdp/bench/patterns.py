@@ -550,8 +550,10 @@ def run_row(row: Row, strategy_factory, ref: Trained | None = None) -> RowResult
 
 # --- the benchmark (tfdp bench patterns) ----------------------------------------------------------
 
-def run_patterns(rows: list[Row], devices: list[str], progress: bool = True) -> dict:
-    """Every row without a strategy, under MirroredStrategy and under tfdp, on ``devices``."""
+def run_patterns(rows: list[Row], devices: list[str], progress: bool = True,
+                 zero_stage: int = 0) -> dict:
+    """Every row without a strategy, under MirroredStrategy and under tfdp, on ``devices``
+    (tfdp with ``zero_stage``: sharded optimizer state, ``tfdp.zero``)."""
     import tensorflow as tf
 
     from tfdp.bench import _common
@@ -562,7 +564,7 @@ def run_patterns(rows: list[Row], devices: list[str], progress: bool = True) -> 
         # the process (tfdp's too); the reducer does not change MirroredStrategy's semantics.
         "mirrored": lambda: tf.distribute.MirroredStrategy(
             devices, cross_device_ops=tf.distribute.ReductionToOneDevice()),
-        "tfdp": lambda: DataParallelStrategy(devices),
+        "tfdp": lambda: DataParallelStrategy(devices, zero_stage=zero_stage),
     }
     results = []
     t_all = time.perf_counter()
@@ -586,7 +588,7 @@ def run_patterns(rows: list[Row], devices: list[str], progress: bool = True) -> 
                          f"MirroredStrategy {_cell_dw(ms)}; tfdp {_cell_dw(dp)}, "
                          f"identical {_cell_identical(dp)}", progress)
     return {"benchmark": "patterns", "devices": list(devices), "tolerance": TOL,
-            "rows": results, "seconds": time.perf_counter() - t_all,
+            "zero_stage": zero_stage, "rows": results, "seconds": time.perf_counter() - t_all,
             "environment": _common.environment()}
 
 
@@ -618,8 +620,10 @@ def format_patterns(result: dict) -> str:
     n = len(result["devices"])
     loose = ", ".join(f"{e['row']} <= {e['tfdp']['tol']:g}" for e in result["rows"]
                       if "tfdp" in e and e["tfdp"]["tol"] != TOL)
+    stage = result.get("zero_stage") or 0
     lines = [f"User-pattern matrix on {n} CPU replicas: max |dw| vs one device without a "
-             f"strategy (exact: <= {TOL:g}{'; ' + loose if loose else ''}).", "",
+             f"strategy (exact: <= {TOL:g}{'; ' + loose if loose else ''})"
+             + (f"; tfdp with zero_stage={stage}." if stage else "."), "",
              "| row | MirroredStrategy max\\|dw\\| | tfdp max\\|dw\\| | tfdp replicas identical "
              "| tfdp exact |",
              "|---|---|---|---|---|"]
@@ -649,7 +653,7 @@ def build_parser():
     from tfdp.bench.parser import BenchParser, add_common_options
     p = BenchParser("tfdp bench patterns",
                     usage="tfdp bench patterns [--rows NAME,...] [--list] [--cpu-replicas K] "
-                          "[--json FILE] [--quiet]",
+                          "[--zero-stage S] [--json FILE] [--quiet]",
                     description="The user-pattern matrix (tfdp.bench.patterns, also run by "
                                 "tests/test_user_patterns.py): every row trains a tiny Keras "
                                 "model as a user writes it, without a strategy (the one-device "
@@ -665,6 +669,8 @@ def build_parser():
     p.add_argument("--rows", metavar="NAME,...",
                    help="run only these rows (default: all; --list shows them)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=0, metavar="S",
+                   help="tfdp's zero_stage (sharded optimizer state; default 0)")
     return p
 
 
@@ -697,7 +703,8 @@ def run(args) -> int:
             print(f"{r.name.ljust(width)}  {r.description}")
         return 0
     devices = _common.configure_replicas(args.cpu_replicas)  # before the TF runtime starts
-    result = run_patterns([ROWS_BY_NAME[n] for n in args.rows], devices, progress=not args.quiet)
+    result = run_patterns([ROWS_BY_NAME[n] for n in args.rows], devices, progress=not args.quiet,
+                          zero_stage=args.zero_stage)
     print(format_patterns(result), flush=True)
     if args.json:
         write_json(args.json, result)
