@@ -655,3 +655,42 @@ def test_slurm_launchers_build_one_cluster():
     assert c0 == 0 and c1 == 0, err0 + err1
     assert out0 == "[worker 0] ENV 0 0 2\n" and out1 == "[worker 1] ENV 1 1 2\n"
     assert "node 0 of 2: rendezvous listening" in err0 and "node 1 of 2: joining" in err1
+
+
+# --- one command line: --version listed, the same wording in every subcommand (issue 23) -------
+
+def test_top_level_help_lists_version_and_exit_codes(capsys):
+    from tfdp import cli
+    from tfdp._version import __version__
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "-V, --version" in out and "-h, --help     show this help and exit" in out, out
+    assert "exit codes: 0 success; 1 error; 2 usage error" in out, out
+    assert cli.main(["-V"]) == 0 and capsys.readouterr().out == f"tfdp {__version__}\n"
+
+
+def test_subcommands_share_the_wording_of_shared_options(capsys):
+    from tfdp import cli
+    from tfdp.launch import cli as launch_cli
+    from tfdp.train import cli as train_cli
+    assert launch_cli.main(["--help"]) == 0
+    launch_help = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--help"])
+    assert e.value.code == 0
+    train_help = " ".join(capsys.readouterr().out.split())
+    for text in (cli.HELP_HELP, cli.VERBOSE_HELP):
+        assert text in launch_help and text in train_help, text
+    assert "--all-output" not in launch_help and "--output {worker0,all}" in launch_help
+
+
+def test_header_gives_replicas_per_worker():
+    from tfdp.launch.launcher import _replicas_note
+    none = {"CUDA_VISIBLE_DEVICES": ""}
+    assert _replicas_note(2, "2", None, none) == "2 workers x 2 CPU replicas = 4 replicas"
+    assert _replicas_note(4, None, 2, {}) == "4 workers x 2 GPUs = 8 replicas"
+    assert _replicas_note(2, "3", None, {}) == ("2 workers x 3 CPU replicas = 6 replicas (a "
+                                                "worker with GPUs uses its GPUs instead)")
+    assert _replicas_note(2, None, None, none) == ("2 workers x 1 CPU replica each "
+                                                   "(--cpu-replicas K: K CPU replicas per worker)")
+    assert _replicas_note(1, "abc", None, {}).startswith("1 worker x its GPUs, else 1 CPU replica")

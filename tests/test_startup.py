@@ -252,6 +252,11 @@ def test_sigterm_ends_a_started_multi_worker_process():
                             if not k.startswith("TFDP_") and k != "TF_CONFIG"})
     text = r.stdout + r.stderr
     assert "STARTED 2" in text, text
+    # the header gives replicas per worker, each worker's first line what it runs on
+    assert "tfdp launch: 2 workers x 1 CPU replica each" in text or \
+        "tfdp launch: 2 workers x its GPUs, else 1 CPU replica each" in text, text
+    assert ("[worker 1] tfdp: MultiWorkerDataParallelStrategy: 2 replicas = 2 workers x 1 (CPU:0 "
+            "on each); this is worker 1 (127.0.0.1:") in text, text
     assert "STILL RUNNING AFTER SIGTERM" not in text, text
     assert "worker 1 (127.0.0.1:" in text and "killed by signal SIGTERM" in text, text
     assert r.returncode == 1, text

@@ -327,6 +327,8 @@ def _watchdog(cluster, seconds: float):
             f"(startup_timeout / {STARTUP_TIMEOUT_ENV}) although every worker had connected: "
             f"{_names(cluster, peers)} may have stopped since (this is {_me(cluster)}); "
             f"killing this worker. {_check(cluster)}")
+    if not sys.executable:   # (an embedded interpreter: no watchdog, the start-up unbounded)
+        return None
     try:
         return subprocess.Popen([sys.executable, "-I", "-c", _WATCHDOG, str(os.getpid()),
                                  f"{seconds:.3f}", line], stdin=subprocess.PIPE,

@@ -48,10 +48,10 @@ def _cpu_source(names) -> str:
         return ""
     explicit = devices_lib._explicit["n"]   # pylint: disable=protected-access  (same package)
     if explicit is not None:
-        return f" (tfdp.configure_cpu_replicas({explicit}))"
+        return f"tfdp.configure_cpu_replicas({explicit})"
     env = devices_lib._env_count()   # pylint: disable=protected-access
     if env is not None:
-        return f" ({devices_lib.CPU_REPLICAS_ENV}={env})"
+        return f"{devices_lib.CPU_REPLICAS_ENV}={env}"
     return ""
 
 
@@ -63,12 +63,14 @@ def strategy_line(strategy) -> str:
     total = strategy.num_replicas_in_sync
     cluster = getattr(strategy, "cluster", None)
     workers = getattr(cluster, "num_workers", 1) if cluster is not None else 1
-    on = f"{device_list(local)}{_cpu_source(names)}"
+    source = _cpu_source(names)
     if workers > 1:
-        where = (f"{total} replicas = {workers} workers x {len(local)} ({on} on each); this is "
-                 f"worker {cluster.rank} ({cluster.address})")
+        where = (f"{total} replicas = {workers} workers x {len(local)} ({device_list(local)} on "
+                 f"each{'; ' + source if source else ''}); this is worker {cluster.rank} "
+                 f"({cluster.address})")
     else:
-        where = f"{total} replica{'s' if total != 1 else ''} on {on}, 1 worker"
+        where = (f"{total} replica{'s' if total != 1 else ''} on {device_list(local)}"
+                 f"{f' ({source})' if source else ''}, 1 worker")
     tail = f"; all_reduce {ext.tfdp_choice.algorithm!r}" if total > 1 else ""
     if total == 1 and names[0].startswith("CPU"):
         tail = (f"; for n CPU replicas set {devices_lib.CPU_REPLICAS_ENV}=n (or call "
