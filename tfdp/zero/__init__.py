@@ -8,9 +8,19 @@ applies Keras's unchanged update, and the new value is copied to every other cop
 (``state.py``, through ``tfdp.reduce.owner``). With ``zero_stage=2`` each gradient is also summed
 onto its owner only (no copy back to the other replicas) before the owner updates.
 
+With an element-wise optimizer (SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta,
+Ftrl, Lion), a variable larger than 1.25 x an owner's share (a recommender's embedding table) is
+split by rows among all owners instead (``rows.py``), so the largest device holds about 1/N of
+the slot bytes; other optimizers (Lamb, Adafactor, Muon) own whole variables, as the plan table
+says. Across workers, every worker shards over its own replicas with the same plan (slots
+replicated across workers): owners spanning every worker were measured slower than unsharded
+(``tfdp bench zero --workers 2``: one more cross-worker broadcast of the updated weights every
+step). Checkpoints hold the whole state in every format and restore on any replica count.
+
 * ``plan.py``: the owner plan (pure Python).
 * ``state.py``: ``ZeroState``: owners, slot placement, owner-only updates (what the strategy's
   ``_create_variable``, ``_update`` and ``_replica_ctx_update`` call).
+* ``rows.py``: a variable split by rows among the owners.
 * ``hooks.py``: the Keras hooks (plan at ``build``, refusals before the first update, which
   variable each gradient belongs to for stage 2).
 

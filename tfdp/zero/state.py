@@ -21,9 +21,12 @@ the extended's hooks call it:
   part in one replica-context collective that carries the owner's new value
   (``tfdp.reduce.owner.replica_broadcast``).
 
+A variable split by rows (``rows.SplitTable``, element-wise optimizers) has no single owner:
+``handles`` covers both, and ``update`` runs ``fn`` once per owner on its row block.
+
 Owners are local replica indices: every worker shards its optimizer state over its own devices
 and keeps the same plan, so slots are replicated across workers (measured against owners
-spanning every worker: ``tfdp bench zero``; see ``tfdp.zero``).
+spanning every worker: ``tfdp bench zero --workers``; see ``tfdp.zero``).
 """
 
 from __future__ import annotations
