@@ -13,10 +13,26 @@ def positive(x):
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow
-def test_run_fitcalls_in_process(cpu_devices):
-    from tfdp.bench.fitcalls import format_fitcalls, run_fitcalls
-    result = run_fitcalls(cpu_replicas=len(cpu_devices), layers=2, width=8, batch=16, steps=2,
-                          val_steps=1, epochs=2, rounds=1, calls=(1, 2))
+@pytest.mark.multiprocess
+def test_run_fitcalls(tmp_path):
+    """In a process of its own: MirroredStrategy's default CPU all-reduce (CollectiveAllReduce)
+    reuses collective group keys across instances in one process, and a clash aborts the
+    process's collective executor for every later test."""
+    import os
+    import subprocess
+    import sys
+
+    from tfdp.bench.fitcalls import format_fitcalls
+    out = tmp_path / "fitcalls.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TFDP_CPU_REPLICAS", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "tfdp", "bench", "fitcalls", "--cpu-replicas", "4",
+         "--layers", "2", "--width", "8", "--batch", "16", "--steps", "2", "--val-steps", "1",
+         "--epochs", "2", "--rounds", "1", "--calls", "1,2", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=540)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
     rows = result["results"]
     assert [r["kind"] for r in rows[:3]] == ["tfdp", "mirrored", "none"]
     assert {r["scenario"] for r in rows} == {"1 fit call", "2 fit calls",
@@ -26,7 +42,6 @@ def test_run_fitcalls_in_process(cpu_devices):
         assert len(r["call_s"]) == r["calls_per_loop"]
         assert r["median_first_batch_s"] <= r["max_call_s"]
     assert {r["call_over_none"] for r in rows if r["kind"] == "none"} == {1.0}
-    json.dumps(result)
     text = format_fitcalls(result)
     assert "call x none" in text and "tfdp 4 replicas" in text
 
