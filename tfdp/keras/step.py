@@ -63,16 +63,6 @@ def current():
     return extended, step, tfp.current_replica_id()
 
 
-@tf.autograph.experimental.do_not_convert
-def share():
-    """The calling replica's share of the global batch (a scalar tensor), or None outside a tfdp
-    step with a batch."""
-    cur = current()
-    if cur is None or cur[1].shares is None:
-        return None
-    return cur[1].shares[cur[2]]
-
-
 @contextlib.contextmanager
 def current_step(extended, step):
     """Make ``step`` the extended's current step for the duration of a strategy.run."""
@@ -83,4 +73,4 @@ def current_step(extended, step):
         extended.tfdp_step = None
 
 
-__all__ = ["Step", "current", "share", "current_step"]
+__all__ = ["Step", "current", "current_step"]
