@@ -46,7 +46,10 @@ setup(
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["tfdp", "tfdp.*"]),
+    # tfdp: the library. tfdp_bench: the benchmarks and the pattern / fault harnesses behind
+    # `tfdp bench` (it imports tfdp; tfdp never imports it: it is found through the entry point
+    # below), installed alongside so that `tfdp bench ...` works from any install.
+    packages=find_packages(include=["tfdp", "tfdp.*", "tfdp_bench", "tfdp_bench.*"]),
     install_requires=[
         TF_REQ,
         "keras" + KERAS_RANGE,
@@ -55,8 +58,8 @@ setup(
         "portpicker",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "tensorflow-datasets", "scikit-learn", "matplotlib",
-                 "pyyaml"] + DOCS_REQ,
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "tensorflow-datasets",
+                 "scikit-learn", "matplotlib", "pyyaml"] + DOCS_REQ,
         "docs": DOCS_REQ,
         "data": ["tensorflow-datasets"],
         "examples": ["scikit-learn", "tensorflow-datasets"],
@@ -64,5 +67,7 @@ setup(
         # Ray Train integration (tfdp.ray, tests/test_ray.py); tested with Ray 2.60.
         "ray": ["ray[train]>=2.60"],
     },
-    entry_points={"console_scripts": ["tfdp=tfdp.cli:main"]},
+    entry_points={"console_scripts": ["tfdp=tfdp.cli:main"],
+                  # commands of other packages for the tfdp command line (tfdp/cli.py)
+                  "tfdp.commands": ["bench=tfdp_bench.cli"]},
 )

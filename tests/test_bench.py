@@ -148,7 +148,7 @@ def test_help():
 def test_workload_shapes():
     import numpy as np
 
-    from tfdp.bench.allreduce import mlp_shapes, resnet50_shapes, workloads_for
+    from tfdp_bench.allreduce import mlp_shapes, resnet50_shapes, workloads_for
     shapes = resnet50_shapes()
     assert len(shapes) == 214
     assert sum(int(np.prod(s)) for s in shapes) == 25_583_592
@@ -162,19 +162,19 @@ def test_workload_shapes():
 def test_resnet50_shapes_match_keras():
     import keras
 
-    from tfdp.bench.allreduce import resnet50_shapes
+    from tfdp_bench.allreduce import resnet50_shapes
     model = keras.applications.ResNet50(weights=None)
     assert [tuple(v.shape) for v in model.trainable_variables] == resnet50_shapes()
 
 
 def test_all_reduce_names_match_registry():
-    from tfdp.bench.parser import all_reduce_names
+    from tfdp_bench.parser import all_reduce_names
     from tfdp.reduce.registry import ALGORITHMS
     assert tuple(ALGORITHMS) == all_reduce_names()
 
 
 def test_helpers():
-    from tfdp.bench import _common
+    from tfdp_bench import _common
     from tfdp.errors import UsageError
     assert _common.parse_size("1K") == 1024
     assert _common.parse_size("64m") == 64 * 1024 ** 2
@@ -191,7 +191,7 @@ def test_helpers():
 @pytest.mark.timeout(120)
 def test_run_allreduce_in_process(cpu_devices):
     """The importable API on the test process's 4 CPU replicas (configured by conftest)."""
-    from tfdp.bench import format_allreduce, run_allreduce
+    from tfdp_bench import format_allreduce, run_allreduce
     result = run_allreduce(cpu_replicas=len(cpu_devices), model="sizes", sizes=[4096],
                            algorithms=["fused"], bucket_bytes=[0, 1024], repeats=1)
     (w,) = result["workloads"]

@@ -144,7 +144,7 @@ def test_workers_tiny_run(tmp_path):
 
 def test_job_specs_and_tcp_reference():
     """Contender naming per algorithm x compression, and the TCP/memory references (no TF)."""
-    from tfdp.bench import workers
+    from tfdp_bench import workers
     specs = workers.job_specs(["fused", "ring"], [None], [None, "fp16"])
     assert [s["name"] for s in specs] == ["tfdp fused", "tfdp fused fp16", "tfdp ring",
                                           "tfdp ring fp16", "MultiWorkerMirroredStrategy"]

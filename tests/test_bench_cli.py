@@ -1,6 +1,6 @@
 """tfdp bench's command line: one CLI, one parser, no import cycles, --help and bad options.
 
-Every command is reached through ``tfdp bench COMMAND`` and ``python -m tfdp.bench.COMMAND``;
+Every command is reached through ``tfdp bench COMMAND`` and ``python -m tfdp_bench.COMMAND``;
 its ``--help`` works without starting TensorFlow, and a bad option is one line on stderr with
 exit code 2.
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.join(ROOT, "tfdp", "bench")
+BENCH_DIR = os.path.join(ROOT, "tfdp_bench")
 PYTHON = sys.executable
 
 
@@ -30,14 +30,14 @@ def run(*args, timeout=100):
 
 
 def commands():
-    from tfdp.bench.cli import COMMANDS  # importing it starts no TensorFlow
+    from tfdp_bench.cli import COMMANDS  # importing it starts no TensorFlow
     return list(COMMANDS)
 
 
 # --- structure ----------------------------------------------------------------------------------
 
 def _bench_imports(path, include_functions):
-    """tfdp.bench modules imported by a file (outside ``if __name__ == "__main__"`` blocks)."""
+    """tfdp_bench modules imported by a file (outside ``if __name__ == "__main__"`` blocks)."""
     tree = ast.parse(open(path).read(), filename=path)
     found = set()
 
@@ -54,10 +54,10 @@ def _bench_imports(path, include_functions):
             else:
                 names = []
             for n in names:
-                if n.startswith("tfdp.bench."):
-                    mod = ".".join(n.split(".")[:3])
-                    if os.path.exists(os.path.join(BENCH_DIR, mod.split(".")[2] + ".py")):
-                        found.add(mod.split(".")[2])
+                if n.startswith("tfdp_bench."):
+                    mod = n.split(".")[1]
+                    if os.path.exists(os.path.join(BENCH_DIR, mod + ".py")):
+                        found.add(mod)
             for field in ("body", "orelse", "finalbody", "handlers"):
                 children = getattr(node, field, None)
                 if not children:
@@ -121,21 +121,34 @@ def test_one_argument_parser_class():
 def test_every_command_module_has_the_protocol():
     import importlib
     for name in commands():
-        from tfdp.bench.cli import COMMANDS
+        from tfdp_bench.cli import COMMANDS
         module = importlib.import_module(COMMANDS[name][0])
         for fn in ("build_parser", "parse_args", "run"):
             assert callable(getattr(module, fn, None)), (name, fn)
         assert module.build_parser().prog == f"tfdp bench {name}"
 
 
+def test_bench_is_a_plugin_of_the_tfdp_command(capsys):
+    """tfdp's CLI finds ``bench`` through the ``tfdp.commands`` entry point (setup.py); the
+    library has no bench package of its own."""
+    import tfdp.cli
+    eps = tfdp.cli.plugin_commands()
+    assert "bench" in eps and eps["bench"].value == "tfdp_bench.cli", eps
+    assert "bench" not in tfdp.cli.SUBCOMMANDS
+    assert not os.path.exists(os.path.join(ROOT, "tfdp", "bench"))
+    assert tfdp.cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  bench    benchmarks: " in out and "{train,launch,bench}" in out, out
+
+
 def test_input_benchmark_lives_in_bench():
-    from tfdp.bench import input as bench_input
+    from tfdp_bench import input as bench_input
     assert callable(bench_input.run_input_bench) and callable(bench_input.format_input_bench)
     assert not os.path.exists(os.path.join(ROOT, "tfdp", "data", "bench.py"))
 
 
 def test_all_reduce_names_come_from_the_registry_without_tensorflow():
-    code = ("import sys; from tfdp.bench.parser import all_reduce_names; "
+    code = ("import sys; from tfdp_bench.parser import all_reduce_names; "
             "names = all_reduce_names(); assert 'tensorflow' not in sys.modules, 'TF started'; "
             "print(','.join(names))")
     res = run("-c", code)
@@ -149,7 +162,7 @@ def test_all_reduce_names_come_from_the_registry_without_tensorflow():
 def test_every_help_works_without_tensorflow():
     code = """
 import contextlib, io, sys
-from tfdp.bench import cli
+from tfdp_bench import cli
 for name in cli.COMMANDS:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -171,7 +184,7 @@ print("ok", len(cli.COMMANDS))
 
 
 def _has_main_guard(name):
-    from tfdp.bench.cli import COMMANDS
+    from tfdp_bench.cli import COMMANDS
     path = os.path.join(ROOT, *COMMANDS[name][0].split(".")) + ".py"
     return 'if __name__ == "__main__":' in open(path).read()
 
@@ -186,11 +199,11 @@ def test_bad_option_is_one_line_exit_2(name):
     assert lines[0].startswith("tfdp bench: error: Unrecognized arguments: --bogus-option 1. ")
     assert f"Run 'tfdp bench {name} --help' for usage." in lines[0]
     assert res.stdout == ""
-    # the same command alone (python -m tfdp.bench.NAME), for every module that offers it
+    # the same command alone (python -m tfdp_bench.NAME), for every module that offers it
     if name not in ("allreduce", "fit", "patterns", "workers", "input", "sparse", "scaling",
                     "gpu") and not _has_main_guard(name):
         return
-    res = run("-m", f"tfdp.bench.{name}", "--bogus-option")
+    res = run("-m", f"tfdp_bench.{name}", "--bogus-option")
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"tfdp bench {name}: error: "), res.stderr

@@ -22,7 +22,7 @@ def test_run_fitcalls(tmp_path):
     import subprocess
     import sys
 
-    from tfdp.bench.fitcalls import format_fitcalls
+    from tfdp_bench.fitcalls import format_fitcalls
     out = tmp_path / "fitcalls.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("TFDP_CPU_REPLICAS", None)
@@ -54,7 +54,7 @@ def test_run_fitcalls(tmp_path):
     (["--input", "csv"], "invalid choice"),
 ])
 def test_usage_errors(argv, needle):
-    from tfdp.bench.fitcalls import parse_args
+    from tfdp_bench.fitcalls import parse_args
     from tfdp.errors import UsageError
     with pytest.raises(UsageError, match=needle) as e:
         parse_args(argv)
@@ -62,6 +62,6 @@ def test_usage_errors(argv, needle):
 
 
 def test_registered():
-    from tfdp.bench.cli import COMMANDS, help_text
-    assert COMMANDS["fitcalls"][0] == "tfdp.bench.fitcalls"
+    from tfdp_bench.cli import COMMANDS, help_text
+    assert COMMANDS["fitcalls"][0] == "tfdp_bench.fitcalls"
     assert "fitcalls" in help_text()

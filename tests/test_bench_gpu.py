@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tfdp.bench import gpu
+from tfdp_bench import gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""tfdp bench input (tfdp.bench.input): the input-pipeline benchmark end to end, tiny sizes.
+"""tfdp bench input (tfdp_bench.input): the input-pipeline benchmark end to end, tiny sizes.
 
 No timing assertions: exit code, table and JSON structure, positive rates.
 """

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tfdp.bench import scaling
+from tfdp_bench import scaling
 from tfdp.errors import TfdpError, UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +24,7 @@ ALPHA = 5e-6       # 5 us
 
 def run_scaling(*args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([PYTHON, "-m", "tfdp.bench.scaling", *args], cwd=ROOT, env=env,
+    return subprocess.run([PYTHON, "-m", "tfdp_bench.scaling", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tfdp.bench import trace
+from tfdp_bench import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tfdp.bench import zero
+from tfdp_bench import zero
 from tfdp.errors import UsageError
 
 
@@ -39,7 +39,7 @@ def test_memory_contender_reports_sharded_state():
     """One memory child (the recommender's table shrunk by the test): the sharded run holds a
     quarter of the unsharded optimizer state on its largest device."""
     config = {"model": "recommender", "stage": 1, "replicas": 4, "steps": 2, "batch": 64}
-    code = ("import tfdp.bench.zero as z; z.REC['vocab'] = 20_000; "
+    code = ("import tfdp_bench.zero as z; z.REC['vocab'] = 20_000; "
             f"z._memory_child({json.dumps(config)})")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=240, env={**__import__("os").environ,

@@ -331,7 +331,7 @@ def test_errors_name_what_was_received(files8, tmp_path):
 
 
 def test_input_bench_smoke(tmp_path, capsys):
-    from tfdp.bench.input import run_input_bench
+    from tfdp_bench.input import run_input_bench
     r = run_input_bench(tmp_path, num_files=4, examples=400, global_batch_size=64, workers=2,
                         repeats=1, train_steps=2)
     assert {row["shard"] for row in r["rows"]} == {"files", "data"}

@@ -22,7 +22,7 @@ browser, and every code block on it runs as written.
 * Figures and tables stated in two places stay equal: the supported-versions table (README and
   docs/install.md, both checked against setup.py and .ci/run), the suite's duration (README and
   docs/development.md), and the ``tfdp bench`` commands (docs/reference/cli.md lists exactly
-  the commands of tfdp/bench/cli.py).
+  the commands of tfdp_bench/cli.py).
 """
 
 import glob
@@ -67,10 +67,10 @@ def _readme_shell_commands():
 
 
 def _bench(words):
-    """(bench command, its arguments) for ``tfdp bench X ...`` / ``python -m tfdp.bench.X``."""
+    """(bench command, its arguments) for ``tfdp bench X ...`` / ``python -m tfdp_bench.X``."""
     if words[:2] == ["tfdp", "bench"] and len(words) > 2 and not words[2].startswith("-"):
         return words[2], words[3:]
-    if words[:2] == ["python", "-m"] and len(words) > 2 and words[2].startswith("tfdp.bench."):
+    if words[:2] == ["python", "-m"] and len(words) > 2 and words[2].startswith("tfdp_bench."):
         return words[2].rsplit(".", 1)[1], words[3:]
     return None
 
@@ -323,7 +323,7 @@ def test_suite_duration_is_stated_once_and_the_same_in_readme_and_docs():
 
 
 def test_cli_page_lists_every_bench_command():
-    from tfdp.bench.cli import COMMANDS
+    from tfdp_bench.cli import COMMANDS
     text = _read(os.path.join(DOCS, "reference", "cli.md"))
     table = re.search(r"<!-- bench-commands:[^>]*-->\n((?:\|.*\n)+)", text).group(1)
     listed = re.findall(r"^\| `([\w-]+)` \|", table, re.M)
@@ -349,7 +349,7 @@ def test_docs_have_code_blocks_to_run():
 def test_docs_bench_command_parses(words, monkeypatch):
     """``tfdp bench`` commands take minutes: their arguments go through the command's own
     parser (every option and value validated, as before TensorFlow starts) instead."""
-    from tfdp.bench.cli import command_module
+    from tfdp_bench.cli import command_module
     monkeypatch.chdir(ROOT)              # relative --plot / --json paths, as from the repo root
     name, args = _bench(words)
     command_module(name).parse_args(args)

@@ -1,7 +1,7 @@
-"""tfdp bench faults (tfdp/bench/faults.py): the fault-trial harness of issue #13 item 2.
+"""tfdp bench faults (tfdp_bench/faults.py): the fault-trial harness of issue #13 item 2.
 
 End to end (CI's small N): one trial of (b) kill-detect and (d) kill-in-write through ``python -m
-tfdp.bench.faults``: a real 2-worker x 2-replica job, the SIGKILL sent by the harness at a
+tfdp_bench.faults``: a real 2-worker x 2-replica job, the SIGKILL sent by the harness at a
 worker's reported step and inside the chief's backup write, the table and the JSON. The N = 10
 table is docs/benchmarks/faults.md. The rest runs without TensorFlow: usage errors, scenario
 names, the judgements the harness makes (backup on disk, weights vs the clean run, the worker a
@@ -17,13 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-from tfdp.bench import faults
+from tfdp_bench import faults
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "tfdp.bench.faults", *args], check=False,
+    return subprocess.run([sys.executable, "-m", "tfdp_bench.faults", *args], check=False,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=timeout, start_new_session=True)
 
@@ -49,7 +49,7 @@ def test_usage_errors_are_one_line_exit_2(args, expected):
 def test_help_and_import_start_no_tensorflow():
     p = _cli("--help")
     assert p.returncode == 0 and "kill-in-write" in p.stdout, p
-    code = "import sys, tfdp.bench.faults; assert 'tensorflow' not in sys.modules"
+    code = "import sys, tfdp_bench.faults; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -118,7 +118,7 @@ def test_the_core_does_not_import_the_launcher_or_commands():
     core = [m for m in graph if m.startswith(("tfdp.strategy", "tfdp.reduce", "tfdp.keras",
                                               "tfdp.failures", "tfdp.compat", "tfdp.data"))]
     for m in core:
-        bad = {d for d in graph[m] if d.startswith(("tfdp.launch", "tfdp.bench", "tfdp.train"))}
+        bad = {d for d in graph[m] if d.startswith(("tfdp.launch", "tfdp_bench", "tfdp.train"))}
         assert not bad, f"{m} imports {bad}"
 
 

@@ -4,7 +4,7 @@
   plain SGD updates the table with scatters (``tfdp.keras.gradient_path._take``): same values
   (negative ids wrap as in Keras), same training as one device, no whole-table read left in the
   traced step; tables with dense updates (momentum, Adam) keep Keras's read.
-* One replica costs nothing (``tfdp.bench.overhead``): no buckets in its all-reduce, the dataset
+* One replica costs nothing (``tfdp_bench.overhead``): no buckets in its all-reduce, the dataset
   iterated directly (``OneReplicaDataset``), and training equal to plain Keras.
 * Cross-worker bucket caps: compressed buckets packed up to 64 MiB, float32 ones at the local
   ``bucket_bytes`` (packing them was measured slower), overridable for the benchmark.

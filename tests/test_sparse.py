@@ -293,9 +293,9 @@ def test_sparse_bench_tiny_run(tmp_path):
 
 
 def test_sparse_bench_help_and_usage_errors():
-    from tfdp.bench import sparse as bench
+    from tfdp_bench import sparse as bench
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    p = subprocess.run([sys.executable, "-m", "tfdp.bench.sparse", "--help"], env=env,
+    p = subprocess.run([sys.executable, "-m", "tfdp_bench.sparse", "--help"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "--ids-per-batch" in p.stdout and "--sweep" in p.stdout
     assert bench.main(["--vocab", "0"]) == 2

@@ -1,4 +1,4 @@
-"""The user-pattern matrix (tfdp.bench.patterns): tfdp trains exactly like one device on every row.
+"""The user-pattern matrix (tfdp_bench.patterns): tfdp trains exactly like one device on every row.
 
 Each row trains a tiny Keras model as a user writes it (clipping, gradient accumulation, custom
 train_step with two optimizers / reversed or partial variable lists / apply_gradients,
@@ -17,7 +17,7 @@ with a single-device reference trained in the same worker process, outside any s
 
 import pytest
 
-from tfdp.bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, get_row,
+from tfdp_bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, get_row,
                                  reference, run_row)
 from tfdp.testing import run_workers
 
@@ -68,7 +68,7 @@ strategy = tfdp.DataParallelStrategy()  # at start-up: multi-worker from the lau
 from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
 assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
 import dataclasses
-from tfdp.bench.patterns import get_row, reference, run_row
+from tfdp_bench.patterns import get_row, reference, run_row
 from tfdp.testing import emit_result
 for name in os.environ["PATTERN_ROWS"].split(","):
     row = get_row(name)

@@ -142,7 +142,7 @@ def _reference(name):
 
 
 def assert_replicas_identical(strategy, model):
-    from tfdp.bench.patterns import Trained, differing_replica_copies
+    from tfdp_bench.patterns import Trained, differing_replica_copies
     trained = Trained(model, model.get_weights(), [model.optimizer])
     assert differing_replica_copies(strategy, trained) == []
 
@@ -168,7 +168,7 @@ def test_optimizer_sharded_equals_one_device(name, stage):
     import tensorflow as tf
 
     import tfdp
-    from tfdp.bench.patterns import max_diff
+    from tfdp_bench.patterns import max_diff
     ref, unsharded, unsharded_opt = _reference(name)
     strategy = tfdp.DataParallelStrategy(DEVICES, zero_stage=stage)
     model = _train(name, strategy)
@@ -213,7 +213,7 @@ ROWS = [("global_clipnorm_accum2", 1), ("two_optimizers", 1), ("mixed_float16", 
 @pytest.mark.parametrize("row,stage", ROWS, ids=[f"{r}-stage{s}" for r, s in ROWS])
 def test_pattern_rows_sharded(row, stage):
     import tfdp
-    from tfdp.bench.patterns import get_row, run_row
+    from tfdp_bench.patterns import get_row, run_row
     from test_user_patterns import assert_exact
     res = run_row(get_row(row), lambda: tfdp.DataParallelStrategy(DEVICES, zero_stage=stage))
     assert_exact(res)

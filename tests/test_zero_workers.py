@@ -23,7 +23,7 @@ import numpy as np
 import tfdp
 strategy = tfdp.DataParallelStrategy(zero_stage=1)  # 2 workers x 2 CPU replicas (TF_CONFIG)
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
-from tfdp.bench.patterns import get_row, max_diff, reference, run_row
+from tfdp_bench.patterns import get_row, max_diff, reference, run_row
 from tfdp.testing import emit_result
 rank = strategy.cluster.rank
 out = {"rank": rank, "replicas": strategy.num_replicas_in_sync, "rows": {}}
@@ -59,7 +59,7 @@ for name in tz.OPTIMIZERS:  # every Keras optimizer at stage 1; Adafactor at eve
         d = max_diff(m.get_weights(), ref)
         out["rows"][f"{name}/{stage}"] = dict(
             exact=d <= 1e-5, summary=f"max|dw| {d:.1e}",
-            sha=tfdp.bench.patterns.digest(m.get_weights()), owner_reductions=0, traceback="")
+            sha=tfdp_bench.patterns.digest(m.get_weights()), owner_reductions=0, traceback="")
 
 # a checkpoint written sharded (stage 1) by each worker restores on one device
 import tensorflow as tf

@@ -2,6 +2,11 @@
 
 Each subcommand lives in its own module exposing ``main(argv: list[str]) -> int``; this file only
 dispatches and turns tfdp errors into one clear line (exit code 2 for usage errors).
+
+Commands of other packages plug in through the ``tfdp.commands`` entry-point group: the name is the
+command, the value a module with ``main(argv)`` and a one-line ``HELP`` (``tfdp bench`` is
+``tfdp_bench.cli``, registered by setup.py). The library itself imports none of them: a plug-in
+module is loaded only to run it or to print ``tfdp --help``.
 """
 
 from __future__ import annotations
@@ -11,15 +16,34 @@ import sys
 
 from tfdp.errors import TfdpError, UsageError
 
-# name -> (module, one-line help)
+# name -> (module, one-line help): tfdp's own commands
 SUBCOMMANDS = {
     "train": ("tfdp.train.cli", "train from a TOML config (configs/*.toml): fit, summary, targets"),
     "launch": ("tfdp.launch.cli", "start workers with TF_CONFIG (one node or several) and run CMD"),
-    "bench": ("tfdp.bench.cli", "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"),
 }
 
-USAGE = ("usage: tfdp [-h] [-V] {" + ",".join(SUBCOMMANDS) + "} [args...]   "
-         "(tfdp COMMAND --help for details)")
+# The entry-point group other packages register commands in (setup.py: bench = tfdp_bench.cli).
+COMMANDS_GROUP = "tfdp.commands"
+
+
+def plugin_commands() -> dict:
+    """{name: entry point} of the ``tfdp.commands`` group (installed packages; none loaded)."""
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)
+            if ep.name not in SUBCOMMANDS}
+
+
+def _commands() -> dict:
+    """{name: (module name, help or None)}: tfdp's own commands, then the plug-ins, sorted."""
+    out = dict(SUBCOMMANDS)
+    for name, ep in sorted(plugin_commands().items()):
+        out[name] = (ep.value, None)
+    return out
+
+
+def _usage(commands) -> str:
+    return ("usage: tfdp [-h] [-V] {" + ",".join(commands) + "} [args...]   "
+            "(tfdp COMMAND --help for details)")
 
 # The wording every subcommand uses for its shared options (tfdp train, tfdp launch).
 HELP_HELP = "show this help and exit"
@@ -32,8 +56,11 @@ a command may add its own (tfdp COMMAND --help)."""
 
 
 def _help() -> str:
-    lines = [USAGE, "", "commands:"]
-    for name, (_, text) in SUBCOMMANDS.items():
+    commands = _commands()
+    lines = [_usage(commands), "", "commands:"]
+    for name, (module, text) in commands.items():
+        if text is None:  # a plug-in's one line (its module imports no TensorFlow)
+            text = getattr(importlib.import_module(module), "HELP", "")
         lines.append(f"  {name:<8} {text}")
     lines += ["", "options:", f"  -h, --help     {HELP_HELP}",
               "  -V, --version  show tfdp's version and exit", "", EPILOG]
@@ -50,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tfdp {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
+    commands = _commands()
+    if name not in commands:
         print(f"tfdp: error: Unknown command. Received: {name!r}. "
-              f"Valid: {', '.join(SUBCOMMANDS)}.", file=sys.stderr)
+              f"Valid: {', '.join(commands)}.", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module = importlib.import_module(commands[name][0])
     try:
         return int(module.main(rest) or 0)
     except UsageError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfdp.bench.pattern_base import (B_TINY_LAST, B_UNEVEN, EPOCHS, N_TINY_LAST, N_UNEVEN, Row,
+from tfdp_bench.pattern_base import (B_TINY_LAST, B_UNEVEN, EPOCHS, N_TINY_LAST, N_UNEVEN, Row,
                                      Trained, _keras, _mlp, _regression, _scope, _weights)
 
 T, VOCAB, CLASSES = 7, 30, 5  # tokens per sequence, vocabulary (0 = padding), token classes

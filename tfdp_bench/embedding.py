@@ -19,7 +19,7 @@ Figures: medians over rounds of the whole fit (examples/s) and of the steady ste
 between consecutive batch ends inside an epoch), and ratios of medians against MirroredStrategy,
 with each ratio's spread over rounds (min-max of the per-round ratios). ``--profile S`` then runs
 S steady steps of each contender of the first optimizer under TF's profiler and lists where the
-step's op time goes (``tfdp.bench.trace``).
+step's op time goes (``tfdp_bench.trace``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import math
 import statistics
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
+from tfdp_bench import _common
+from tfdp_bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
                                split_list, write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -221,7 +221,7 @@ def _profile(contender, dataset, steps, progress, top=8):
     import os
     import tempfile
 
-    from tfdp.bench import trace
+    from tfdp_bench import trace
     _common.progress(f"embedding: profiling {steps} steps of {contender.name}", progress)
     logdir = tempfile.mkdtemp(prefix="tfdp-embedding-trace-")
 
@@ -339,8 +339,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.embedding
+if __name__ == "__main__":  # python -m tfdp_bench.embedding
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("embedding", parse_args, run))

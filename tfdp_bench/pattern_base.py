@@ -1,6 +1,6 @@
 """What the user-pattern matrix's rows are made of: the row and result types, the reference data,
-the tiny models and the plain user script (``fit_row``), shared by ``tfdp.bench.patterns`` (the
-registry and the runner) and the row modules (``tfdp.bench.pattern_losses``).
+the tiny models and the plain user script (``fit_row``), shared by ``tfdp_bench.patterns`` (the
+registry and the runner) and the row modules (``tfdp_bench.pattern_losses``).
 
 Importing this module does not import TensorFlow or Keras.
 """

@@ -17,8 +17,8 @@ import os
 import statistics
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import (BenchParser, add_common_options, all_reduce_names,
+from tfdp_bench import _common
+from tfdp_bench.parser import (BenchParser, add_common_options, all_reduce_names,
                                check_directory, check_positive, check_writable, write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -121,7 +121,7 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
       all_reduce: tfdp's ``all_reduce`` argument.
       progress: print "round i/R" lines to stderr.
       trace_dir: after the timed rounds, profile ``trace_steps`` steady steps of the tfdp and
-        MirroredStrategy contenders (``tfdp.bench.trace``): one TensorBoard log directory per
+        MirroredStrategy contenders (``tfdp_bench.trace``): one TensorBoard log directory per
         contender under ``trace_dir``, a Perfetto ``trace.json.gz`` and ``timeline.txt`` in
         each, and ``timeline.txt`` / ``timeline.json`` with both tables in ``trace_dir``.
 
@@ -152,10 +152,10 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
     ms = tf.distribute.MirroredStrategy(devices)
     ms_desc = _common.describe_cross_device_ops(ms)
     if trace_dir is not None:  # before the train functions are traced: ops get the scope
-        from tfdp import compat
-        from tfdp.bench import trace
+        from tfdp_bench import trace
+        from tfdp_bench._internals import mirrored_cross_device_ops
         trace.scope_reductions(tfdp_strategy.cross_device_ops)
-        trace.scope_reductions(compat.mirrored_cross_device_ops(ms))
+        trace.scope_reductions(mirrored_cross_device_ops(ms))
     _common.progress(f"fit: building {layers}x{width} MLPs under each strategy", progress)
     contenders = [
         _FitContender(f"tfdp {tfdp_strategy.all_reduce} b="
@@ -237,13 +237,13 @@ def run_fit(cpu_replicas: int = 4, layers: int = DEFAULTS["layers"],
 
 
 def trace_note() -> str:
-    from tfdp.bench.trace import TABLE_NOTE
+    from tfdp_bench.trace import TABLE_NOTE
     return TABLE_NOTE.replace("\n", " ")
 
 
 def _trace(contenders, dataset, trace_dir, trace_steps, progress):
     """Profile ``trace_steps`` steady steps of each contender: their timelines (bench.trace)."""
-    from tfdp.bench import trace
+    from tfdp_bench import trace
     for c in contenders:  # the profiler's own set-up must not land in the first traced steps
         trace.warm_up(lambda callbacks, c=c: c.model.fit(
             dataset, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False, callbacks=callbacks))
@@ -291,7 +291,7 @@ def format_fit(result: dict) -> str:
               f"tfdp / MirroredStrategy: {result['ratio_tfdp_over_mirrored']:.2f} (whole fit), "
               f"{result['steady_ratio_tfdp_over_mirrored']:.2f} (steady step); > 1: tfdp faster"]
     if result.get("trace"):
-        from tfdp.bench.trace import TABLE_NOTE
+        from tfdp_bench.trace import TABLE_NOTE
         lines.append("")
         for t in result["trace"]:
             lines += [t["table"], ""]
@@ -368,8 +368,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.fit
+if __name__ == "__main__":  # python -m tfdp_bench.fit
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("fit", parse_args, run))

@@ -18,8 +18,8 @@ import statistics
 import tempfile
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import BenchParser, check_positive, check_writable, write_json
+from tfdp_bench import _common
+from tfdp_bench.parser import BenchParser, check_positive, check_writable, write_json
 from tfdp.errors import invalid_argument
 
 
@@ -241,8 +241,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.input
+if __name__ == "__main__":  # python -m tfdp_bench.input
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("input", parse_args, run))

@@ -36,8 +36,8 @@ import sys
 import threading
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import BenchParser, check_writable, run_standalone, write_json
+from tfdp_bench import _common
+from tfdp_bench.parser import BenchParser, check_writable, run_standalone, write_json
 from tfdp.errors import TfdpError, UsageError, invalid_argument
 
 RESULT_MARK = "BENCH_RESULT "
@@ -318,7 +318,7 @@ def _run_job(spec: dict, workers: int, timeout: float, cpu_replicas=None,
     env.pop("TFDP_CPU_REPLICAS", None)
     with tempfile.TemporaryDirectory(prefix="tfdp-bench-") as done_dir:
         spec = dict(spec, done_dir=done_dir, workers=workers)
-        cmd = [sys.executable, "-m", "tfdp.bench.workers", "--child-spec", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "tfdp_bench.workers", "--child-spec", json.dumps(spec)]
         rc = launch(cmd, workers, cpu_replicas=cpu_replicas, timeout=timeout, env=env,
                     stdout=out, stderr=err)
     lines = [ln.split(RESULT_MARK, 1)[1] for ln in out.lines
@@ -372,7 +372,7 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
       progress: progress lines (per round, job and size, with elapsed time) on stderr.
 
     Returns:
-      A dict like :func:`tfdp.bench.allreduce.run_allreduce`'s, with ``"mode": "workers"``,
+      A dict like :func:`tfdp_bench.allreduce.run_allreduce`'s, with ``"mode": "workers"``,
       ``"workers"``, ``"rounds"``, ``"baseline"`` and per result ``"ratio_mwms_over_this"``.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:

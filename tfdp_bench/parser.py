@@ -1,15 +1,15 @@
 """The one argument parser of ``tfdp bench`` and the checks every command shares.
 
-Every command module of :mod:`tfdp.bench` (``allreduce``, ``fit``, ``patterns``, ``workers``,
+Every command module of :mod:`tfdp_bench` (``allreduce``, ``fit``, ``patterns``, ``workers``,
 ``input``, ``sparse``, ``scaling``, ``gpu``) exposes the same three functions, which
-:mod:`tfdp.bench.cli` dispatches to:
+:mod:`tfdp_bench.cli` dispatches to:
 
 * ``build_parser() -> BenchParser``: its options (``--help`` is argparse's own);
 * ``parse_args(argv) -> argparse.Namespace``: parses and validates, raising :class:`UsageError`
   (one line, exit code 2) before TensorFlow starts;
 * ``run(args) -> int``: runs the benchmark and prints its table.
 
-This module imports no other module of :mod:`tfdp.bench` and never imports TensorFlow.
+This module imports no other module of :mod:`tfdp_bench` and never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ __all__ = ["BenchParser", "add_common_options", "check_positive", "split_list",
 
 
 def run_standalone(command: str, parse_args, run, argv=None) -> int:
-    """``python -m tfdp.bench.COMMAND``: parse, run; errors as one line on stderr, no traceback.
+    """``python -m tfdp_bench.COMMAND``: parse, run; errors as one line on stderr, no traceback.
 
     Usage errors exit 2, other tfdp errors 1 (as ``tfdp bench COMMAND`` does through
     ``tfdp.cli``, whose prefix is ``tfdp bench: error:``).

@@ -1,64 +1,68 @@
-"""``tfdp bench COMMAND [options]``: the one command line of :mod:`tfdp.bench`.
+"""``tfdp bench COMMAND [options]``: the one command line of :mod:`tfdp_bench`.
 
-``tfdp.cli`` calls :func:`main` with the arguments after ``bench``. Each command is a module of
-:mod:`tfdp.bench` with ``build_parser()``, ``parse_args(argv)`` and ``run(args)`` (see
-:mod:`tfdp.bench.parser`); this module only lists them and dispatches. Arguments are validated
+``tfdp.cli`` finds this module through the ``tfdp.commands`` entry point ``bench`` (setup.py),
+prints :data:`HELP` in ``tfdp --help`` and calls :func:`main` with the arguments after ``bench``. Each command is a module of
+:mod:`tfdp_bench` with ``build_parser()``, ``parse_args(argv)`` and ``run(args)`` (see
+:mod:`tfdp_bench.parser`); this module only lists them and dispatches. Arguments are validated
 before TensorFlow starts; usage errors are :class:`~tfdp.errors.UsageError` (one line, exit
-code 2, printed by ``tfdp.cli``). ``python -m tfdp.bench.COMMAND`` runs one command alone.
+code 2, printed by ``tfdp.cli``). ``python -m tfdp_bench.COMMAND`` runs one command alone.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from tfdp.bench.parser import quiet_tensorflow
+from tfdp_bench.parser import quiet_tensorflow
 from tfdp.errors import UsageError
+
+# the line of 'tfdp --help'
+HELP = "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"
 
 # name -> (module, help lines for 'tfdp bench --help'); the order is the order errors list them in
 COMMANDS = {
-    "allreduce": ("tfdp.bench.allreduce",
+    "allreduce": ("tfdp_bench.allreduce",
                   "one replica-context all_reduce of a gradient set (ResNet50's, a deep narrow "
                   "MLP's,\nor single tensors of given sizes); median ms, algbw, busbw, "
                   "MirroredStrategy/tfdp;\n--workers N: across N local worker processes vs "
                   "MultiWorkerMirroredStrategy"),
-    "fit": ("tfdp.bench.fit",
+    "fit": ("tfdp_bench.fit",
             "Keras model.fit throughput of a deep narrow MLP: tfdp vs MirroredStrategy vs one\n"
             "device; median examples/s and the ratio tfdp/MirroredStrategy; --trace DIR: a\n"
             "profiler step timeline (compute / all-reduce / idle, overlap)"),
-    "patterns": ("tfdp.bench.patterns",
+    "patterns": ("tfdp_bench.patterns",
                  "the user-pattern matrix: each row (clipping, custom train_step, two "
                  "optimizers,\nBatchNorm, uneven batches, mixed precision...) trained without a "
                  "strategy, under\nMirroredStrategy and under tfdp; max |dw| vs one device, tfdp "
                  "replica identity"),
-    "workers": ("tfdp.bench.workers",
+    "workers": ("tfdp_bench.workers",
                 "alias of 'allreduce --workers 2 --sizes 64M --compression none,fp16' (older "
                 "options)"),
-    "input": ("tfdp.bench.input",
+    "input": ("tfdp_bench.input",
               "sharded TFRecord input pipeline examples/s per worker vs training consumption"),
-    "sparse": ("tfdp.bench.sparse",
+    "sparse": ("tfdp_bench.sparse",
                "Embedding-gradient (IndexedSlices) reduction, recommender shape: tfdp gather /\n"
                "densify vs MirroredStrategy; --sweep locates the gather/densify crossover"),
-    "scaling": ("tfdp.bench.scaling",
+    "scaling": ("tfdp_bench.scaling",
                 "predicted scaling efficiency for 1..1024 devices (alpha-beta ring model);\n"
                 "--measure fits it here"),
-    "overhead": ("tfdp.bench.overhead",
+    "overhead": ("tfdp_bench.overhead",
                  "what one replica costs: tfdp on one device and MirroredStrategy on one device\n"
                  "vs plain Keras (wall and CPU time per step)"),
-    "fitcalls": ("tfdp.bench.fitcalls",
+    "fitcalls": ("tfdp_bench.fitcalls",
                  "whole short model.fit calls (set-up, iterator starts, teardown): loops of\n"
                  "1/5/20 fits and fit(validation_data=...), tfdp vs MirroredStrategy vs none"),
-    "embedding": ("tfdp.bench.embedding",
+    "embedding": ("tfdp_bench.embedding",
                   "Keras fit of a recommender-shaped model (Embedding + MLP): tfdp vs\n"
                   "MirroredStrategy, SGD / momentum / Adam"),
-    "crossworker": ("tfdp.bench.crossworker",
+    "crossworker": ("tfdp_bench.crossworker",
                     "the cross-worker bucket cap, measured in one job of N local workers"),
-    "faults": ("tfdp.bench.faults",
+    "faults": ("tfdp_bench.faults",
                "randomized fault trials on a 2-worker job (kill + restart, kill, SIGSTOP, kill\n"
                "inside a backup write, SIGTERM): trials passed, detection s, resume max |dw|"),
-    "gpu": ("tfdp.bench.gpu",
+    "gpu": ("tfdp_bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"
             "images/s, all-reduce GB/s); one line and exit 0 without a GPU; --cpu-dry-run"),
-    "zero": ("tfdp.bench.zero", "zero_stage vs unsharded: optimizer bytes/device, memory, speed"),
+    "zero": ("tfdp_bench.zero", "zero_stage vs unsharded: optimizer bytes/device, memory, speed"),
 }
 
 USAGE = ("usage: tfdp bench {" + ",".join(COMMANDS) + "} [options]   "

@@ -28,9 +28,9 @@ import gc
 import statistics
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.fit import build_mlp
-from tfdp.bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
+from tfdp_bench import _common
+from tfdp_bench.fit import build_mlp
+from tfdp_bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
                                split_list, write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -346,8 +346,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.fitcalls
+if __name__ == "__main__":  # python -m tfdp_bench.fitcalls
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("fitcalls", parse_args, run))

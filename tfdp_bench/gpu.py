@@ -35,8 +35,8 @@ import subprocess
 import time
 import traceback
 
-from tfdp.bench import _common
-from tfdp.bench.parser import BenchParser, check_writable, write_json
+from tfdp_bench import _common
+from tfdp_bench.parser import BenchParser, check_writable, write_json
 from tfdp.errors import UsageError
 
 SECTIONS = ("nccl", "equivalence", "resnet50", "allreduce")
@@ -126,9 +126,9 @@ class Budget:
 def section_nccl(env, budget):
     import tensorflow as tf
 
-    from tfdp import compat
+    from tfdp.compat.tf_internals import nccl_kernel_registered
     from tfdp.strategy import DataParallelStrategy
-    rows = [["nccl", "NCCL kernel", "registered" if compat.nccl_kernel_registered()
+    rows = [["nccl", "NCCL kernel", "registered" if nccl_kernel_registered()
              else "absent", f"TF {tf.__version__}, built with CUDA: "
              f"{tf.test.is_built_with_cuda()}"]]
     first = env["logical"][:1]
@@ -213,7 +213,7 @@ def _resnet_run(strategy, device, size, jit, budget):
     import numpy as np
     import tensorflow as tf
 
-    from tfdp.bench.fit import _new_step_timer
+    from tfdp_bench.fit import _new_step_timer
     rng = np.random.default_rng(0)
     b, hw, k = size["batch"], size["image"], size["classes"]
     x = rng.standard_normal((b, hw, hw, 3)).astype("float32")
@@ -449,7 +449,7 @@ def build_parser() -> BenchParser:
 
 
 def parse_args(argv):
-    from tfdp.bench.parser import split_list
+    from tfdp_bench.parser import split_list
     args = build_parser().parse_args(argv)
     names = split_list(args.sections)
     if not names or any(n not in SECTIONS for n in names):
@@ -469,8 +469,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.gpu
+if __name__ == "__main__":  # python -m tfdp_bench.gpu
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("gpu", parse_args, run))

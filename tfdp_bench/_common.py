@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: sizes, statistics, round ordering, tables, environment, and
 the names and checks the all-reduce benchmarks (local and across workers) share.
 
-Imports no other module of :mod:`tfdp.bench` (every benchmark may import it) and starts no
+Imports no other module of :mod:`tfdp_bench` (every benchmark may import it) and starts no
 TensorFlow at import.
 """
 
@@ -152,7 +152,7 @@ def time_samples(step, repeats: int, target: float = 0.02, max_iters: int = 50) 
     return samples, n
 
 
-# --- shared by the all-reduce benchmarks (tfdp.bench.allreduce, tfdp.bench.workers) -------------
+# --- shared by the all-reduce benchmarks (tfdp_bench.allreduce, tfdp_bench.workers) -------------
 
 # DataParallelStrategy algorithms the CPU benchmarks run (tfdp.reduce.registry.ALGORITHMS minus
 # "auto", which is "fused" on CPUs, and "nccl", which needs GPUs).
@@ -195,12 +195,12 @@ def tfdp_name(algorithm, bucket_bytes=None, compression=None, show_bucket=True) 
 
 def describe_cross_device_ops(strategy) -> str:
     """'CollectiveAllReduce(RING)', 'ReductionToOneDevice', ... for a MirroredStrategy."""
-    from tfdp import compat
-    cdo = compat.mirrored_cross_device_ops(strategy)
+    from tfdp_bench._internals import collective_implementation, mirrored_cross_device_ops
+    cdo = mirrored_cross_device_ops(strategy)
     if cdo is None:
         return "unknown"
     name = type(cdo).__name__
-    impl = compat.collective_implementation(cdo)
+    impl = collective_implementation(cdo)
     return f"{name}({impl.name})" if impl is not None and hasattr(impl, "name") else name
 
 

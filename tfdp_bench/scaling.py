@@ -35,8 +35,8 @@ import statistics
 import sys
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import BenchParser, check_writable, run_standalone, write_json
+from tfdp_bench import _common
+from tfdp_bench.parser import BenchParser, check_writable, run_standalone, write_json
 from tfdp.errors import TfdpError, UsageError
 
 FORMULA = ("t_comm(n) = 2(n-1)/n * S/B + 2(n-1)*alpha;  "
@@ -199,7 +199,7 @@ def _child(sizes: list[int], steps: int) -> int:
 
 def _run_measure_job(workers: int, sizes: list[int], steps: int, timeout: float) -> dict:
     from tfdp.launch import launch
-    cmd = [sys.executable, "-m", "tfdp.bench.scaling", "--child",
+    cmd = [sys.executable, "-m", "tfdp_bench.scaling", "--child",
            "--measure-sizes", ",".join(str(s) for s in sizes), "--steps", str(steps)]
     out, err = io.StringIO(), io.StringIO()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -359,7 +359,7 @@ def run(args) -> int:
     result = {"benchmark": "scaling", "formula": FORMULA, "step_compute_s": step_s,
               "grad_bytes": grad_bytes, "overlap": args.overlap}
     if args.measure:
-        from tfdp.bench.workers import loopback_tcp_bandwidth
+        from tfdp_bench.workers import loopback_tcp_bandwidth
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         t0 = time.perf_counter()
         tcp = loopback_tcp_bandwidth(256 << 20)
@@ -397,5 +397,5 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.scaling (also each --measure worker)
+if __name__ == "__main__":  # python -m tfdp_bench.scaling (also each --measure worker)
     sys.exit(run_standalone("scaling", parse_args, run))

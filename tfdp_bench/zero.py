@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
+from tfdp_bench import _common
+from tfdp_bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
                                split_list, write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -46,7 +46,7 @@ def build_model(name: str):
     import numpy as np
     rng = np.random.default_rng(0)
     if name == "recommender":
-        from tfdp.bench.embedding import build_model as rec
+        from tfdp_bench.embedding import build_model as rec
         return rec(REC["vocab"], REC["dim"], REC["ids"]), lambda n: (
             rng.integers(0, REC["vocab"], (n, REC["ids"])).astype("int32"),
             rng.standard_normal((n, 1)).astype("float32"))
@@ -139,7 +139,7 @@ def run_memory(models, replicas: int, steps: int, timeout: float, progress: bool
             _common.progress(f"zero: memory, {name}, zero_stage={stage}", progress)
             config = {"model": name, "stage": stage, "replicas": replicas, "steps": steps,
                       "batch": batch}
-            cmd = [sys.executable, "-m", "tfdp.bench.zero", "--memory-child", json.dumps(config)]
+            cmd = [sys.executable, "-m", "tfdp_bench.zero", "--memory-child", json.dumps(config)]
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
             env.pop("TFDP_CPU_REPLICAS", None)
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -166,7 +166,7 @@ class _Fit:
             self.model.compile(optimizer=optimizer(), loss=loss, jit_compile=False)
 
     def fit(self, steps):
-        from tfdp.bench.embedding import _step_timer
+        from tfdp_bench.embedding import _step_timer
         timer = _step_timer()
         self.model.fit(self.data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
         return [b - a for ends in timer.epochs for a, b in zip(ends, ends[1:])]
@@ -205,7 +205,7 @@ def run_speed(devices, rounds, steps, mlp_steps, progress) -> list:
     import tensorflow as tf
 
     import tfdp
-    from tfdp.bench import embedding, fit
+    from tfdp_bench import embedding, fit
     results = []
     rec_data = embedding._dataset(REC["vocab"], REC["ids"], REC["batch"])
     for opt in ("adam", "momentum"):
@@ -248,7 +248,7 @@ def _worker_main(config):
 
     import tfdp
     strategy = tfdp.DataParallelStrategy()
-    from tfdp.bench import embedding
+    from tfdp_bench import embedding
     from tfdp.zero import state as state_lib
     ext = strategy.extended
     states = {}
@@ -289,7 +289,7 @@ def _worker_main(config):
 def run_workers(workers, rounds, steps, timeout, progress) -> dict:
     config = {"rounds": rounds, "steps": steps}
     cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", str(workers), "--cpu-replicas",
-           "2", "--timeout", str(int(timeout)), "--", sys.executable, "-m", "tfdp.bench.zero",
+           "2", "--timeout", str(int(timeout)), "--", sys.executable, "-m", "tfdp_bench.zero",
            "--worker-config", json.dumps(config)]
     _common.progress(f"zero: {workers} workers x 2 replicas, recommender with Adam", progress)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
@@ -440,6 +440,6 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.zero
-    from tfdp.bench.parser import run_standalone
+if __name__ == "__main__":  # python -m tfdp_bench.zero
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("zero", parse_args, run))

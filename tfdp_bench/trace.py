@@ -4,7 +4,7 @@ A few steady training steps of a contender run under ``tf.profiler.experimental.
 ``stop()``; each step is marked with ``tf.profiler.experimental.Trace(STEP_EVENT, step_num=i)``
 from a Keras callback. TensorFlow writes ``logdir/plugins/profile/<run>/<host>.xplane.pb`` (what
 TensorBoard's profile plugin reads: ``tensorboard --logdir DIR``). This module parses that file
-(the ``XSpace`` protobuf TF ships, through :func:`tfdp.compat.read_xspace`), classifies every op
+(the ``XSpace`` protobuf TF ships, through :func:`tfdp_bench._internals.read_xspace`), classifies every op
 event and writes ``trace.json.gz`` beside it: Chrome trace-event JSON, which Perfetto
 (ui.perfetto.dev) and chrome://tracing open, one track per thread, each event tagged with its
 class.
@@ -37,7 +37,7 @@ import os
 import re
 import statistics
 
-from tfdp.bench import _common
+from tfdp_bench import _common
 
 STEP_EVENT = "tfdp_bench_step"
 ALL_REDUCE_SCOPE = "tfdp_all_reduce"
@@ -179,8 +179,8 @@ def load_events(xplane_path: str) -> dict:
     device (GPU) kernels are taken through their ``tf_op`` stat, and when a trace has any, they
     replace the host's spans of the same ops (which are only their launches).
     """
-    from tfdp import compat
-    space = compat.read_xspace(xplane_path)
+    from tfdp_bench._internals import read_xspace
+    space = read_xspace(xplane_path)
     events, steps = [], []
     for plane in space.planes:
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}

@@ -23,11 +23,11 @@ timeline of ``tfdp bench fit --trace``. Nothing here starts TensorFlow at import
 __all__ = ["run_allreduce", "run_fit", "format_allreduce", "format_fit"]
 
 
-def __getattr__(name):  # lazy: importing tfdp.bench must not start TensorFlow
+def __getattr__(name):  # lazy: importing tfdp_bench must not start TensorFlow
     if name in ("run_allreduce", "format_allreduce"):
-        from tfdp.bench import allreduce
+        from tfdp_bench import allreduce
         return getattr(allreduce, name)
     if name in ("run_fit", "format_fit"):
-        from tfdp.bench import fit
+        from tfdp_bench import fit
         return getattr(fit, name)
-    raise AttributeError(f"module 'tfdp.bench' has no attribute {name!r}")
+    raise AttributeError(f"module 'tfdp_bench' has no attribute {name!r}")

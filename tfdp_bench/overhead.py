@@ -22,9 +22,9 @@ import gc
 import statistics
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.fit import build_mlp  # the same MLP as tfdp bench fit
-from tfdp.bench.parser import BenchParser, check_positive, check_writable, write_json
+from tfdp_bench import _common
+from tfdp_bench.fit import build_mlp  # the same MLP as tfdp bench fit
+from tfdp_bench.parser import BenchParser, check_positive, check_writable, write_json
 from tfdp.errors import TfdpError
 
 DEFAULTS = {"layers": 8, "width": 256, "batch": 256, "steps": 50, "rounds": 15}
@@ -183,8 +183,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.overhead
+if __name__ == "__main__":  # python -m tfdp_bench.overhead
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("overhead", parse_args, run))

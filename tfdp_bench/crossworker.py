@@ -28,8 +28,8 @@ import subprocess
 import sys
 import time
 
-from tfdp.bench import _common
-from tfdp.bench.parser import (BenchParser, check_positive, check_writable, split_list,
+from tfdp_bench import _common
+from tfdp_bench.parser import (BenchParser, check_positive, check_writable, split_list,
                                write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -102,7 +102,7 @@ def run_crossworker(workers: int = 2, mbytes: int = 64, tensors: int = 32, round
             for c in caps]
     config = {"mbytes": mbytes, "tensors": tensors, "rounds": rounds, "caps": caps}
     cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", str(workers), "--timeout",
-           str(int(timeout)), "--", sys.executable, "-m", "tfdp.bench.crossworker",
+           str(int(timeout)), "--", sys.executable, "-m", "tfdp_bench.crossworker",
            "--worker-config", json.dumps(config)]
     _common.progress(f"crossworker: {workers} workers, {mbytes} MB in {tensors} tensors, "
                      f"{rounds} rounds", progress)
@@ -196,6 +196,6 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.crossworker
-    from tfdp.bench.parser import run_standalone
+if __name__ == "__main__":  # python -m tfdp_bench.crossworker
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("crossworker", parse_args, run))

@@ -13,7 +13,7 @@ algorithm, bucket size and compression; ``MirroredStrategy`` with its default cr
 preallocated output (one thread, no broadcast: a memory-bound floor, not an all-reduce) and the
 memory-bandwidth reference, one ``np.add`` of two buffers of the workload's size into a third.
 
-``--workers N`` (:mod:`tfdp.bench.workers`) runs the same measurement across N local worker
+``--workers N`` (:mod:`tfdp_bench.workers`) runs the same measurement across N local worker
 processes instead, against MultiWorkerMirroredStrategy.
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` with ``bytes`` one replica's gradients,
@@ -29,10 +29,10 @@ import time
 
 import importlib.util
 
-from tfdp.bench import _common, workers
-from tfdp.bench._common import (BENCH_ALGORITHMS, CHECK_TOLERANCE, COMPRESSIONS, MEMORY_NAME,
+from tfdp_bench import _common, workers
+from tfdp_bench._common import (BENCH_ALGORITHMS, CHECK_TOLERANCE, COMPRESSIONS, MEMORY_NAME,
                                 describe_cross_device_ops, normalize_compressions, tfdp_name)
-from tfdp.bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
+from tfdp_bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
                                split_list, write_json)
 from tfdp.errors import TfdpError, UsageError
 
@@ -591,8 +591,8 @@ def run(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tfdp.bench.allreduce
+if __name__ == "__main__":  # python -m tfdp_bench.allreduce
     import sys
 
-    from tfdp.bench.parser import run_standalone
+    from tfdp_bench.parser import run_standalone
     sys.exit(run_standalone("allreduce", parse_args, run))
