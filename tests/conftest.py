@@ -1,8 +1,22 @@
-"""Test set-up: split the host CPU into logical devices once per test process.
+"""Test set-up: CPU replicas, the test tiers, and the guard that keeps the tiers honest.
 
-Must run before TensorFlow initialises its runtime, so it happens at import of this conftest
-(pytest imports it before any test module). Tests that need a fresh runtime, or several workers,
-run in subprocesses through tfdp's launcher / ``tfdp.testing``.
+CPU replicas: the host CPU is split into 4 logical devices once per test process. This must run
+before TensorFlow initialises its runtime, so it happens at import of this conftest (pytest
+imports it before any test module).
+
+Tiers (``pytest -m "not e2e"`` is the core tier, ``pytest -m e2e`` the rest; plain ``pytest``
+runs both):
+
+- ``e2e``: the test starts a process (a worker cluster, the launcher, ``python -m tfdp ...``, a
+  browser, ``ip netns``, Ray). It is applied here, automatically, to every test whose fixtures
+  include one of :data:`PROCESS_FIXTURES` (directly, through ``usefixtures``, or through another
+  fixture) -- never by hand. ``multiprocess`` is kept as an alias of ``e2e`` (applied with it).
+- ``slow``: full README runs, network-namespace jobs, fault trials, long benchmark runs (by hand).
+
+The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
+``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
+fixture to use, so a core-tier test can never start a process unnoticed. A test marked
+``multiprocess`` or ``e2e`` by hand without a process fixture is a collection error.
 """
 
 import os
@@ -10,17 +24,154 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # tests are CPU-only, also on GPU hosts
 
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 import tfdp  # noqa: E402
 
 tfdp.configure_cpu_replicas(4)  # before any test can start the TF runtime
 
+#: Fixtures that start processes: a test using any of them (or a fixture that does) is ``e2e``.
+PROCESS_FIXTURES = ("run_process", "worker_job")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "multiprocess: starts several processes (hard timeout)")
-    config.addinivalue_line("markers", "slow: takes more than ~20 s")
+    config.addinivalue_line(
+        "markers", "e2e: starts processes (applied automatically by tests/conftest.py to tests "
+        "using the run_process / worker_job fixtures; deselect with -m 'not e2e')")
+    config.addinivalue_line("markers", "multiprocess: alias of e2e (applied with it)")
+    config.addinivalue_line(
+        "markers", "slow: full README runs, network namespaces, fault trials, long benchmark "
+        "runs (deselect with -m 'not slow')")
+    _install_guard()
+
+
+def _uses_process_fixture(item) -> bool:
+    return any(name in PROCESS_FIXTURES for name in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    errors = []
+    for item in items:
+        if _uses_process_fixture(item):
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.multiprocess)
+        elif item.get_closest_marker("e2e") or item.get_closest_marker("multiprocess"):
+            errors.append(item.nodeid)
+    if errors:
+        raise pytest.UsageError(
+            "Tests marked 'e2e' or 'multiprocess' by hand must use a process fixture instead "
+            f"(one of {', '.join(PROCESS_FIXTURES)}; tests/conftest.py marks them). Received "
+            f"{len(errors)} such test(s): {', '.join(errors[:10])}. Fix: drop the marker and "
+            "add the fixture as an argument (or pytest.mark.usefixtures).")
+
+
+# --- the guard ----------------------------------------------------------------------------------
+
+_GUARD = {"blocked": None}  # the nodeid of the running core-tier test, else None
+
+
+class ProcessStartInCoreTest(RuntimeError):
+    pass
+
+
+def _refuse(what):
+    nodeid = _GUARD["blocked"]
+    if nodeid is not None:
+        raise ProcessStartInCoreTest(
+            f"A core-tier test started a process. Received: {what} in {nodeid}, which uses none "
+            f"of the process fixtures ({', '.join(PROCESS_FIXTURES)}). Fix: add the "
+            "'run_process' fixture (or 'worker_job' for jobs of workers) to the test's arguments: "
+            "tests/conftest.py then marks it 'e2e' and allows it.")
+
+
+def _install_guard():
+    if getattr(subprocess.Popen, "_tfdp_guarded", False):
+        return
+    popen_execute = subprocess.Popen._execute_child
+
+    def _execute_child(self, args, *a, **kw):
+        _refuse(f"subprocess {args!r:.200}")
+        return popen_execute(self, args, *a, **kw)
+
+    subprocess.Popen._execute_child = _execute_child
+    subprocess.Popen._tfdp_guarded = True
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def _start(self):
+        _refuse(f"multiprocessing {self!r}")
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = _start
+
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp", "spawnv",
+                 "spawnve", "spawnvp", "spawnvpe", "execv", "execve"):
+        original = getattr(os, name, None)
+        if original is None:
+            continue
+
+        def _wrapped(*a, _original=original, _name=name, **kw):
+            _refuse(f"os.{_name}{tuple(map(str, a))!r:.200}")
+            return _original(*a, **kw)
+
+        setattr(os, name, _wrapped)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _GUARD["blocked"] = None if item.get_closest_marker("e2e") else item.nodeid
+    try:
+        yield
+    finally:
+        _GUARD["blocked"] = None
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+class Processes:
+    """What a test uses to start processes (the ``run_process`` / ``worker_job`` fixtures).
+
+    Calling it is ``subprocess.run``; ``popen`` is ``subprocess.Popen``; ``workers`` is
+    ``tfdp.testing.run_workers`` (a job of N local workers through the launcher); ``launch`` is
+    ``tfdp.launch.launcher.launch``. Module helpers that start processes may keep calling
+    ``subprocess`` / ``tfdp.testing`` themselves: the guard allows it in tests that hold this
+    fixture (and only there).
+    """
+
+    python = sys.executable
+
+    def __call__(self, *args, **kwargs):
+        return subprocess.run(*args, **kwargs)
+
+    def popen(self, *args, **kwargs):
+        return subprocess.Popen(*args, **kwargs)
+
+    def workers(self, *args, **kwargs):
+        from tfdp.testing import run_workers
+        return run_workers(*args, **kwargs)
+
+    def launch(self, *args, **kwargs):
+        from tfdp.launch import launcher
+        return launcher.launch(*args, **kwargs)
+
+
+_PROCESSES = Processes()
+
+
+@pytest.fixture(scope="session")
+def run_process():
+    """Start processes from a test (``run_process([...])`` is ``subprocess.run``): makes it e2e."""
+    return _PROCESSES
+
+
+@pytest.fixture(scope="session")
+def worker_job():
+    """Jobs of local workers (``worker_job.workers(script, ...)``): makes the test e2e."""
+    return _PROCESSES
 
 
 @pytest.fixture(scope="session")

@@ -222,7 +222,7 @@ def test_launch_arguments(args, received, fix, more):
         launch(cmd, workers, **kwargs)
 
 
-def test_python_script_check_leaves_other_commands_alone(tmp_path):
+def test_python_script_check_leaves_other_commands_alone(run_process, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     for cmd in ([PY, str(script)], [PY, "-c", "print(1)"], [PY, "-m", "tfdp"], [PY, "-"],
@@ -231,7 +231,7 @@ def test_python_script_check_leaves_other_commands_alone(tmp_path):
 
 
 @pytest.mark.timeout(150)  # importing TensorFlow in a fresh process: ~6 s, more on a busy host
-def test_port_in_use_names_the_port_and_the_fix():
+def test_port_in_use_names_the_port_and_the_fix(run_process):
     """This worker's TF_CONFIG port is held (a socket on 127.0.0.1, like a leftover worker):
     the strategy must say so before TensorFlow's gRPC server fails obscurely."""
     port, other = portpicker.pick_unused_port(), portpicker.pick_unused_port()
@@ -589,7 +589,7 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("argv, received, fix", CLI_CASES)
-def test_cli_usage_error(argv, received, fix):
+def test_cli_usage_error(run_process, argv, received, fix):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDP_CPU_REPLICAS")}
     r = subprocess.run([PY, "-m", "tfdp", *argv], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
@@ -620,7 +620,7 @@ def test_launcher_tf_configs_are_loopback_and_valid(host):
             assert _is_loopback(address.rpartition(":")[0]), address
 
 
-def test_launched_workers_get_loopback_tf_config():
+def test_launched_workers_get_loopback_tf_config(run_process):
     out, err = io.StringIO(), io.StringIO()
     code = launch([PY, "-c", "import os; print(os.environ['TF_CONFIG'])"], 2,
                   env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
@@ -684,12 +684,11 @@ print("NO ERROR", flush=True)
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind, expected", [
     ("shape", r"variable 'kernel' has shape \[8,\d\] here but \[8,\d\] on another worker"),
     ("extra-layer", r"met a variable of another dtype on another worker"),
 ])
-def test_models_that_differ_across_workers_are_a_clear_error(kind, expected):
+def test_models_that_differ_across_workers_are_a_clear_error(worker_job, kind, expected):
     from tfdp.testing import run_workers
     with pytest.raises(AssertionError) as failed:
         run_workers(MISMATCH_SCRIPT, workers=2, cpu_replicas=None, timeout=90,

@@ -35,7 +35,7 @@ def positive(x):
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_allreduce_sizes_cli(tmp_path):
+def test_allreduce_sizes_cli(run_process, tmp_path):
     out, png = tmp_path / "ar.json", tmp_path / "busbw.png"
     res = run_bench("allreduce", "--model", "sizes", "--sizes", "1K,64K", "--repeats", "2",
                     "--cpu-replicas", "2", "--json", str(out), "--plot", str(png))
@@ -74,7 +74,7 @@ def test_allreduce_sizes_cli(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_fit_cli(tmp_path):
+def test_fit_cli(run_process, tmp_path):
     out = tmp_path / "fit.json"
     res = run_bench("fit", "--layers", "3", "--steps", "3", "--repeats", "1",
                     "--cpu-replicas", "2", "--json", str(out))
@@ -120,7 +120,7 @@ def test_fit_cli(tmp_path):
     (["fit", "--all-reduce", "rnig"], "--all-reduce"),
     (["frobnicate"], "frobnicate"),
 ])
-def test_usage_errors_are_one_line_exit_2(args, needle):
+def test_usage_errors_are_one_line_exit_2(run_process, args, needle):
     res = run_bench(*args, timeout=100)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -131,7 +131,7 @@ def test_usage_errors_are_one_line_exit_2(args, needle):
 
 
 @pytest.mark.timeout(120)
-def test_help():
+def test_help(run_process):
     res = run_bench("--help", timeout=100)
     assert res.returncode == 0 and "usage: tfdp bench" in res.stdout
     assert "allreduce" in res.stdout and "fit" in res.stdout

@@ -65,7 +65,7 @@ def check_rows(data, n):
     (["--workers", "2", "--compression", "none,int8"], "--compression"),
     (["--workers", "2", "--algorithms", "nccl"], "--algorithms"),
 ])
-def test_allreduce_usage_errors(args, needle):
+def test_allreduce_usage_errors(run_process, args, needle):
     res = run_bench("allreduce", *args, timeout=100)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -75,7 +75,7 @@ def test_allreduce_usage_errors(args, needle):
 
 
 @pytest.mark.timeout(120)
-def test_allreduce_help_lists_new_options():
+def test_allreduce_help_lists_new_options(run_process):
     res = run_bench("allreduce", "--help", timeout=100)
     assert res.returncode == 0, res.stderr
     for opt in ("--workers", "--cpu-replicas", "--compression", "--rounds", "--plot", "--json"):
@@ -86,7 +86,7 @@ def test_allreduce_help_lists_new_options():
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_local_sizes_with_compression(tmp_path):
+def test_local_sizes_with_compression(run_process, tmp_path):
     out = tmp_path / "ar.json"
     res = run_bench("allreduce", "--sizes", "1K,64K", "--compression", "none,fp16",
                     "--cpu-replicas", "2", "--repeats", "2", "--json", str(out))
@@ -111,9 +111,8 @@ def test_local_sizes_with_compression(tmp_path):
 # --- across workers -----------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.multiprocess
 @pytest.mark.slow
-def test_workers_tiny_run(tmp_path):
+def test_workers_tiny_run(run_process, tmp_path):
     out, png = tmp_path / "w.json", tmp_path / "w.png"
     res = run_bench("allreduce", "--workers", "2", "--sizes", "4K", "--repeats", "2",
                     "--json", str(out), "--plot", str(png), timeout=110)
@@ -161,7 +160,7 @@ def test_job_specs_and_tcp_reference():
     (["--contenders", "tfdp,nope"], "--contenders"),
     (["--size", "1Q"], "--size"),
 ])
-def test_workers_alias_usage_errors(args, needle):
+def test_workers_alias_usage_errors(run_process, args, needle):
     res = run_bench("workers", *args, timeout=100)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -147,7 +147,7 @@ def test_input_benchmark_lives_in_bench():
     assert not os.path.exists(os.path.join(ROOT, "tfdp", "data", "bench.py"))
 
 
-def test_all_reduce_names_come_from_the_registry_without_tensorflow():
+def test_all_reduce_names_come_from_the_registry_without_tensorflow(run_process):
     code = ("import sys; from tfdp_bench.parser import all_reduce_names; "
             "names = all_reduce_names(); assert 'tensorflow' not in sys.modules, 'TF started'; "
             "print(','.join(names))")
@@ -159,7 +159,7 @@ def test_all_reduce_names_come_from_the_registry_without_tensorflow():
 
 # --- help and usage errors ----------------------------------------------------------------------
 
-def test_every_help_works_without_tensorflow():
+def test_every_help_works_without_tensorflow(run_process):
     code = """
 import contextlib, io, sys
 from tfdp_bench import cli
@@ -191,7 +191,7 @@ def _has_main_guard(name):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", commands())
-def test_bad_option_is_one_line_exit_2(name):
+def test_bad_option_is_one_line_exit_2(run_process, name):
     res = run("-m", "tfdp", "bench", name, "--bogus-option", "1")
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -217,7 +217,7 @@ def test_bad_option_is_one_line_exit_2(name):
     (["input", "--files-dir", "/nonexistent-dir"], "--files-dir"),
     (["sparse", "--vocab", "0"], "--vocab"),
 ])
-def test_new_usage_errors(args, needle, tmp_path):
+def test_new_usage_errors(run_process, args, needle, tmp_path):
     (tmp_path / "file").write_text("")  # a path below a regular file cannot be a directory
     args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
     res = run("-m", "tfdp", "bench", *args)
@@ -227,14 +227,14 @@ def test_new_usage_errors(args, needle, tmp_path):
     assert needle in lines[0] and "Received:" in lines[0]
 
 
-def test_unknown_command_lists_every_command():
+def test_unknown_command_lists_every_command(run_process):
     res = run("-m", "tfdp", "bench", "frobnicate")
     assert res.returncode == 2
     (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert "'frobnicate'" in line and ("Valid: " + ", ".join(commands())) in line
 
 
-def test_top_level_help_lists_every_command():
+def test_top_level_help_lists_every_command(run_process):
     res = run("-m", "tfdp", "bench", "--help")
     assert res.returncode == 0
     for name in commands():

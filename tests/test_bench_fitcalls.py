@@ -13,8 +13,7 @@ def positive(x):
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_run_fitcalls(tmp_path):
+def test_run_fitcalls(run_process, tmp_path):
     """In a process of its own: MirroredStrategy's default CPU all-reduce (CollectiveAllReduce)
     reuses collective group keys across instances in one process, and a clash aborts the
     process's collective executor for every later test."""

@@ -25,7 +25,7 @@ def run_gpu(*args, timeout=100, **extra_env):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_no_gpu_is_one_line_exit_0():
+def test_no_gpu_is_one_line_exit_0(run_process):
     res = run_gpu()
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -56,7 +56,7 @@ def test_budget():
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow
-def test_cpu_dry_run_runs_every_section(tmp_path):
+def test_cpu_dry_run_runs_every_section(run_process, tmp_path):
     out = tmp_path / "gpu.json"
     res = run_gpu("--cpu-dry-run", "--json", str(out), timeout=580)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
         assert f"\n{name} " in text, name
 
 
-def test_sections_option_runs_only_those(tmp_path):
+def test_sections_option_runs_only_those(run_process, tmp_path):
     out = tmp_path / "g.json"
     res = run_gpu("--cpu-dry-run", "--sections", "nccl", "--quiet", "--json", str(out),
                   timeout=200)

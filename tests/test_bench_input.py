@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.timeout(300)
-def test_input_cli_tiny(tmp_path):
+def test_input_cli_tiny(run_process, tmp_path):
     out = tmp_path / "input.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("TFDP_CPU_REPLICAS", None)

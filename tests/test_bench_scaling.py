@@ -128,7 +128,7 @@ def test_fit_clamps_negative_alpha():
 
 # --- the command line -----------------------------------------------------------------------------
 
-def test_cli_table(tmp_path):
+def test_cli_table(run_process, tmp_path):
     out = tmp_path / "s.json"
     res = run_scaling("--step-ms", "100", "--grad-mb", "100", "--bandwidth-gbps", "10",
                       "--alpha-us", "5", "--json", str(out))
@@ -146,7 +146,7 @@ def test_cli_table(tmp_path):
     assert len(data["rows"]) == 11 and data["rows"][-1]["n"] == 1024
 
 
-def test_cli_max_devices():
+def test_cli_max_devices(run_process):
     res = run_scaling("--step-ms", "10", "--grad-mb", "25", "--bandwidth-gbps", "100",
                       "--alpha-us", "0", "--max-devices", "6")
     assert res.returncode == 0, res.stderr
@@ -174,7 +174,7 @@ def test_cli_max_devices():
     (["--measure", "--measure-workers", "1,2"], "--measure-workers"),
     (["--measure", "--measure-sizes", "4M"], "--measure-sizes"),
 ])
-def test_cli_usage_errors(args, needle):
+def test_cli_usage_errors(run_process, args, needle):
     res = run_scaling(*args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     err = res.stderr.strip()

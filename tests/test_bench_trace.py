@@ -93,7 +93,7 @@ def test_format_and_parse_round_trip():
 
 @pytest.mark.timeout(400)
 @pytest.mark.slow
-def test_fit_trace_cli(tmp_path):
+def test_fit_trace_cli(run_process, tmp_path):
     out_dir, js = tmp_path / "trace", tmp_path / "fit.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     env.pop("TFDP_CPU_REPLICAS", None)

@@ -35,7 +35,7 @@ def test_format_from_raw_figures():
 
 
 @pytest.mark.timeout(300)
-def test_memory_contender_reports_sharded_state():
+def test_memory_contender_reports_sharded_state(run_process):
     """One memory child (the recommender's table shrunk by the test): the sharded run holds a
     quarter of the unsharded optimizer state on its largest device."""
     config = {"model": "recommender", "stage": 1, "replicas": 4, "steps": 2, "batch": 64}

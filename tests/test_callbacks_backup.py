@@ -274,9 +274,8 @@ emit_result(rank=rank, diff=t.max_diff(got, ref), writes=resumed.saves_written,
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_two_workers_one_writer_and_exact_resume(tmp_path):
+def test_two_workers_one_writer_and_exact_resume(worker_job, tmp_path):
     from tfdp.testing import parse_results, run_workers
     backup_dir = tmp_path / "shared_backup"
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=1, timeout=240,

@@ -11,7 +11,7 @@ import pytest
 
 from tfdp.testing import parse_results, run_workers
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 SCRIPT = r"""
 import os
@@ -92,7 +92,7 @@ def _once(results, key, expected):
     return ids
 
 
-def test_exactly_once_across_two_workers(tmp_path):
+def test_exactly_once_across_two_workers(worker_job, tmp_path):
     outputs = run_workers(SCRIPT, workers=2, cpu_replicas=2, timeout=300,
                           env={"TFDP_TEST_DIR": str(tmp_path)})
     results = parse_results(outputs)

@@ -135,7 +135,7 @@ def _mkdocs_env():
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory):
+def site(run_process, tmp_path_factory):
     pytest.importorskip("mkdocs", reason="the docs tools come with the test extra (setup.py)")
     out = tmp_path_factory.mktemp("site")
     p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
@@ -229,9 +229,9 @@ def _chromium(browser, profile, *args):
     return p.stdout
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(site, tmp_path):
+def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(run_process, site,
+                                                                            tmp_path):
     browser = _browser()
     import portpicker
     port = portpicker.pick_unused_port()
@@ -368,10 +368,9 @@ def test_docs_toml_block_matches_the_file_it_quotes(block):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind,code", RUNS)
-def test_docs_code_block_runs_as_written(kind, code, tmp_path):
+def test_docs_code_block_runs_as_written(run_process, kind, code, tmp_path):
     if kind == "shell":
         run_as_written(code, FULL)
         return

@@ -57,7 +57,7 @@ def _run(code, env_extra=None, timeout=120):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def test_configure_cpu_replicas_too_late_says_so():
+def test_configure_cpu_replicas_too_late_says_so(run_process):
     r = _run("""
         import tensorflow as tf, tfdp
         tf.constant(1.0) + 1  # starts the runtime with one CPU device
@@ -70,7 +70,7 @@ def test_configure_cpu_replicas_too_late_says_so():
     assert "before any TensorFlow op" in r.stdout
 
 
-def test_env_var_gives_replicas_to_unchanged_script():
+def test_env_var_gives_replicas_to_unchanged_script(run_process):
     r = _run("""
         import tfdp
         s = tfdp.DataParallelStrategy()
@@ -80,7 +80,7 @@ def test_env_var_gives_replicas_to_unchanged_script():
 
 
 @pytest.mark.parametrize("tf_first", [False, True])
-def test_bad_env_var_is_one_line_and_exit_2_at_import(tf_first):
+def test_bad_env_var_is_one_line_and_exit_2_at_import(run_process, tf_first):
     """A user's script with TFDP_CPU_REPLICAS=four: one line, exit 2, at ``import tfdp`` (before
     TensorFlow loads when tfdp comes first), no traceback."""
     r = _run("""
@@ -99,7 +99,7 @@ def test_bad_env_var_is_one_line_and_exit_2_at_import(tf_first):
                      " Set it to a positive integer, e.g. TFDP_CPU_REPLICAS=4, or unset it."], lines
 
 
-def test_bad_env_var_does_not_stop_the_launcher_that_replaces_it():
+def test_bad_env_var_does_not_stop_the_launcher_that_replaces_it(run_process):
     """``tfdp launch --cpu-replicas 2`` sets the workers' value: a bad one in the launcher's own
     environment is not its error (it never imports TensorFlow)."""
     r = subprocess.run([sys.executable, "-m", "tfdp", "launch", "--workers", "1", "--output",
@@ -110,7 +110,7 @@ def test_bad_env_var_does_not_stop_the_launcher_that_replaces_it():
     assert r.returncode == 0 and "WORKER 2" in r.stdout, (r.stdout, r.stderr)
 
 
-def test_default_devices_without_configuration_is_cpu0():
+def test_default_devices_without_configuration_is_cpu0(run_process):
     r = _run("""
         import tfdp
         s = tfdp.DataParallelStrategy()
@@ -124,7 +124,7 @@ def test_default_devices_without_configuration_is_cpu0():
     ('{"cluster": {"worker": ["127.0.0.1:5"]}, "task": {"type": "worker", "index": 3}}', "index"),
     ("{not json", "TF_CONFIG"),
 ])
-def test_bad_tf_config_is_a_clear_error_not_single_worker(tf_config, needle):
+def test_bad_tf_config_is_a_clear_error_not_single_worker(run_process, tf_config, needle):
     r = _run("""
         import tfdp
         try:
@@ -135,7 +135,7 @@ def test_bad_tf_config_is_a_clear_error_not_single_worker(tf_config, needle):
     assert "ERR" in r.stdout and needle in r.stdout and "Received" in r.stdout, r.stdout + r.stderr
 
 
-def test_cli_help_and_unknown_command():
+def test_cli_help_and_unknown_command(run_process):
     r = subprocess.run([sys.executable, "-m", "tfdp", "--help"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0 and "launch" in r.stdout

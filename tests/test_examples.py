@@ -67,7 +67,7 @@ def test_every_example_has_a_usage_docstring():
 
 
 @pytest.mark.timeout(120)
-def test_workstation_vision_dp_runs_on_cpu_replicas():
+def test_workstation_vision_dp_runs_on_cpu_replicas(run_process):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env["TFDP_CPU_REPLICAS"] = "4"            # as its docstring says for hosts without a GPU
     env.pop("TF_CONFIG", None)

@@ -115,9 +115,8 @@ def _gone(pid):
         return True
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(HARD_TIMEOUT + 20)
-def test_dead_worker_ends_the_job_with_its_name_and_address(tmp_path):
+def test_dead_worker_ends_the_job_with_its_name_and_address(run_process, tmp_path):
     code, text, seconds, _ = _run_job(tmp_path, "exit")
     print(f"dead worker: the launcher ended {seconds:.1f} s after os._exit")
     assert code != 0, text
@@ -127,9 +126,8 @@ def test_dead_worker_ends_the_job_with_its_name_and_address(tmp_path):
     assert seconds < 15, f"took {seconds:.1f} s after the failure:\n{text}"
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(HARD_TIMEOUT + 20)
-def test_stopped_worker_is_detected_and_named(tmp_path):
+def test_stopped_worker_is_detected_and_named(run_process, tmp_path):
     code, text, seconds, pid = _run_job(tmp_path, "stop")
     print(f"SIGSTOPped worker: the launcher ended {seconds:.1f} s after SIGSTOP")
     assert code != 0, text
@@ -146,9 +144,8 @@ def test_stopped_worker_is_detected_and_named(tmp_path):
     assert _gone(pid), "the stopped worker was left behind"
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(HARD_TIMEOUT + 20)
-def test_a_slow_step_is_not_a_failure(tmp_path):
+def test_a_slow_step_is_not_a_failure(run_process, tmp_path):
     """A 9 s step on worker 1 (longer than the 6 s heartbeat timeout; 3 s of it holding the
     GIL): heartbeats run in TF's C++ threads, so the job just waits and finishes."""
     code, text, _, _ = _run_job(tmp_path, "slow")
@@ -159,7 +156,7 @@ def test_a_slow_step_is_not_a_failure(tmp_path):
 
 # --- without TensorFlow in the workers: the launcher and a stopped worker -----------------------
 
-def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period():
+def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period(run_process):
     """Worker 1 stops itself, worker 0 then fails: the launcher must not wait GRACE_S for a
     SIGTERM that a stopped process cannot act on, and must name a reported peer failure."""
     code = textwrap.dedent(f"""
@@ -186,7 +183,7 @@ def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period():
                         lines[0]), lines
 
 
-def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to_exit():
+def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to_exit(run_process):
     """A worker that printed its peer-failure line may take seconds to exit (TF's unwinding):
     the launcher stops the job half a second later, naming the lost peer (fault trials (c))."""
     code = textwrap.dedent(f"""
@@ -211,7 +208,7 @@ def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to
                         lines[0]), lines
 
 
-def test_is_stopped():
+def test_is_stopped(run_process):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert not launcher_lib._is_stopped(proc.pid)

@@ -37,7 +37,7 @@ def _cli(*args, timeout=60):
     (["--json", "/nonexistent-dir/x.json"], "Cannot write --json here"),
     (["--bogus"], "Unrecognized arguments: --bogus"),
 ])
-def test_usage_errors_are_one_line_exit_2(args, expected):
+def test_usage_errors_are_one_line_exit_2(run_process, args, expected):
     p = _cli(*args)
     assert p.returncode == 2, p
     lines = p.stderr.strip().splitlines()
@@ -46,7 +46,7 @@ def test_usage_errors_are_one_line_exit_2(args, expected):
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
-def test_help_and_import_start_no_tensorflow():
+def test_help_and_import_start_no_tensorflow(run_process):
     p = _cli("--help")
     assert p.returncode == 0 and "kill-in-write" in p.stdout, p
     code = "import sys, tfdp_bench.faults; assert 'tensorflow' not in sys.modules"
@@ -150,9 +150,8 @@ def test_table_counts_failures_and_names_them():
     assert "/tmp/x" in text
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_kill_detect_and_kill_in_write_end_to_end(tmp_path):
+def test_kill_detect_and_kill_in_write_end_to_end(run_process, tmp_path):
     """CI's small N: one trial each of (b) and (d), through the command line."""
     work, out = tmp_path / "work", tmp_path / "faults.json"
     try:

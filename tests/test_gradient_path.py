@@ -44,8 +44,9 @@ def test_other_private_names_used_by_tfdp_exist():
 
 
 def test_hooks_are_installed_once_and_keep_the_original():
-    tfdp.DataParallelStrategy(DEVS[:2])
-    tfdp.DataParallelStrategy(DEVS[:2])
+    # (the hooks are in Keras while a tfdp strategy lives: tfdp.keras.adapter)
+    strategies = [tfdp.DataParallelStrategy(DEVS[:2]), tfdp.DataParallelStrategy(DEVS[:2])]
+    assert len(strategies) == 2
     for owner, attr in tfp.keras_hook_points().values():
         fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         original = fn.__tfdp_original__
@@ -66,10 +67,10 @@ np.save({out!r}, np.concatenate([w.ravel() for w in m.get_weights()]))
 """
 
 
-def test_hooks_change_nothing_without_a_tfdp_strategy(tmp_path):
+def test_hooks_change_nothing_without_a_tfdp_strategy(run_process, tmp_path):
     # The same no-strategy script, with and without tfdp's hooks installed: bitwise equal.
     outs = []
-    for i, prelude in enumerate(["", "import tfdp; tfdp.DataParallelStrategy(['CPU:0'])"]):
+    for i, prelude in enumerate(["", "import tfdp; s = tfdp.DataParallelStrategy(['CPU:0'])"]):
         out = str(tmp_path / f"w{i}.npy")
         subprocess.run([sys.executable, "-c", _PLAIN_FIT.format(prelude=prelude, out=out)],
                        check=True, timeout=120, env={**__import__("os").environ,

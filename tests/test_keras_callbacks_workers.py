@@ -108,9 +108,8 @@ def _check_shared_files(tmp_path, epochs_logged):
     assert rows[0].startswith("epoch") and len(rows) == 1 + epochs_logged, rows  # one writer
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_tutorial_form_two_workers_one_writer(tmp_path):
+def test_tutorial_form_two_workers_one_writer(run_process, tmp_path):
     results, _, _ = _launch(tmp_path, restarts=0)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
@@ -119,9 +118,8 @@ def test_tutorial_form_two_workers_one_writer(tmp_path):
     _check_shared_files(tmp_path, EPOCHS)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_tutorial_form_killed_worker_resumes_as_keras_documents(tmp_path):
+def test_tutorial_form_killed_worker_resumes_as_keras_documents(run_process, tmp_path):
     # killed at step 9 = epoch 1, step 3: the last backup is epoch 0's end, so the restart runs
     # epochs 1 and 2 again in full and ends with the uninterrupted weights
     results, outputs, launcher = _launch(tmp_path, restarts=1, KILL_AT="9")

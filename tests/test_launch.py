@@ -20,7 +20,7 @@ from tfdp.errors import UsageError  # noqa: E402
 from tfdp.launch import launch, make_tf_configs  # noqa: E402
 from tfdp.launch.cli import parse_args  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.multiprocess]
+pytestmark = [pytest.mark.timeout(60)]
 
 RANK = "int(os.environ['TFDP_WORKER_RANK'])"
 
@@ -73,7 +73,7 @@ def test_make_tf_configs():
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_output_is_prefixed_per_stream(workers):
+def test_output_is_prefixed_per_stream(run_process, workers):
     code, out, err, _ = run_launch(py(f"""
         r = {RANK}
         print("out a", r); print("out b", r)
@@ -88,7 +88,7 @@ def test_output_is_prefixed_per_stream(workers):
         assert err_lines[r] == [f"err {r}"]
 
 
-def test_worker_environment():
+def test_worker_environment(run_process):
     code, out, err, _ = run_launch(py("""
         import json
         keys = ["TF_CONFIG", "TFDP_WORKER_RANK", "TFDP_NUM_WORKERS", "TFDP_CPU_REPLICAS",
@@ -112,7 +112,7 @@ def test_worker_environment():
     assert [envs[r]["CUDA_VISIBLE_DEVICES"] for r in range(2)] == ["3,4", "5,6"]
 
 
-def test_gpu_split_without_cuda_visible_devices_and_single_worker():
+def test_gpu_split_without_cuda_visible_devices_and_single_worker(run_process):
     cmd = py("print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ.get('TF_CONFIG'))")
     code, out, err, _ = run_launch(cmd, 3, gpus_per_worker=1)
     assert code == 0, err
@@ -127,7 +127,7 @@ def test_gpu_split_without_cuda_visible_devices_and_single_worker():
         launch(cmd, 2, gpus_per_worker=2, env=base_env(CUDA_VISIBLE_DEVICES="0,1,2"))
 
 
-def test_failure_stops_the_other_workers():
+def test_failure_stops_the_other_workers(run_process):
     code, out, err, secs = run_launch(py(f"""
         if {RANK} == 1:
             time.sleep(0.2); sys.exit(3)
@@ -139,7 +139,7 @@ def test_failure_stops_the_other_workers():
     assert "failed with exit code 3; stopped the other workers" in err
 
 
-def test_sigkill_after_grace_when_sigterm_is_ignored():
+def test_sigkill_after_grace_when_sigterm_is_ignored(run_process):
     code, _, err, secs = run_launch(py(f"""
         import signal
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -152,7 +152,7 @@ def test_sigkill_after_grace_when_sigterm_is_ignored():
     assert "worker 1 (127.0.0.1:" in err and "failed with exit code 200" in err
 
 
-def test_worker_killed_by_signal():
+def test_worker_killed_by_signal(run_process):
     code, _, err, secs = run_launch(py(f"""
         if {RANK} == 1:
             os.kill(os.getpid(), 9)
@@ -162,13 +162,13 @@ def test_worker_killed_by_signal():
     assert "worker 1 (127.0.0.1:" in err and "was killed by signal SIGKILL" in err
 
 
-def test_timeout():
+def test_timeout(run_process):
     code, _, err, secs = run_launch(py("time.sleep(60)"), 2, timeout=1)
     assert code == 124 and secs < 10
     assert "tfdp launch: timed out after 1 s" in err
 
 
-def test_max_restarts():
+def test_max_restarts(run_process):
     cmd = py(f"""
         print(os.environ["TF_CONFIG"])
         if os.environ["TFDP_RESTART_COUNT"] == "0" and {RANK} == 1:
@@ -186,7 +186,7 @@ def test_max_restarts():
 
 
 @pytest.mark.parametrize("sig,expected", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_is_forwarded(sig, expected):
+def test_signal_is_forwarded(run_process, sig, expected):
     cmd = py("print(os.getpid(), flush=True); time.sleep(60)")
     # --output all: both workers' pids on stdout (by default only worker 0's is shown)
     launcher = subprocess.Popen([sys.executable, "-m", "tfdp", "launch", "--output", "all",
@@ -217,13 +217,13 @@ def _alive(pid):
     return True
 
 
-def test_cli_runs_command_without_double_dash():
+def test_cli_runs_command_without_double_dash(run_process):
     res = run_cli("--output", "all", "--workers", "2", sys.executable, "-c", "print('hi')")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
 
 
-def test_cli_help():
+def test_cli_help(run_process):
     res = run_cli("--help")
     assert res.returncode == 0
     assert "--workers N" in res.stdout and "unauthenticated" in res.stdout
@@ -251,7 +251,7 @@ def test_parse_args_command_boundaries():
     (["--workers", "2", "--host", "0.0.0.0", "true"], "loopback"),
     (["--workers", "2", "--bogus", "true"], "Unrecognized arguments"),
 ])
-def test_cli_usage_errors(args, needle):
+def test_cli_usage_errors(run_process, args, needle):
     res = run_cli(*args)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
@@ -261,7 +261,7 @@ def test_cli_usage_errors(args, needle):
     assert res.stdout == ""
 
 
-def test_cli_too_many_gpus():
+def test_cli_too_many_gpus(run_process):
     res = subprocess.run([sys.executable, "-m", "tfdp", "launch", "--workers", "2",
                           "--gpus-per-worker", "2", "true"], cwd=ROOT,
                          env=base_env(CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
@@ -292,7 +292,7 @@ class _Recorder(io.StringIO):
         return super().write(text)
 
 
-def test_worker0_output_is_live_with_prefixes_after_carriage_returns(tmp_path):
+def test_worker0_output_is_live_with_prefixes_after_carriage_returns(run_process, tmp_path):
     out, err = _Recorder(), io.StringIO()
     start = time.monotonic()
     code = launch(py(f"""
@@ -326,7 +326,7 @@ def test_worker0_output_is_live_with_prefixes_after_carriage_returns(tmp_path):
     assert re.match(r"tfdp launch: 2 workers succeeded in [\d.]+ s; logs: ", lines[-1]), lines
 
 
-def test_worker0_mode_shows_the_failed_workers_tail_and_log(tmp_path):
+def test_worker0_mode_shows_the_failed_workers_tail_and_log(run_process, tmp_path):
     code, out, err, secs = run_launch(py(f"""
         if {RANK} == 1:
             for i in range(50):
@@ -351,7 +351,7 @@ def test_worker0_mode_shows_the_failed_workers_tail_and_log(tmp_path):
                         r"stopped the other workers", lines[i + 31])
 
 
-def test_default_log_dir_is_created(tmp_path):
+def test_default_log_dir_is_created(run_process, tmp_path):
     code, _, err, _ = run_launch(py("print('x')"), 2, output="worker0",
                                  env=base_env(TMPDIR=str(tmp_path)))
     assert code == 0, err
@@ -371,7 +371,7 @@ ABSL = "WARNING: All log messages before absl::InitializeLog() is called are wri
 @pytest.mark.parametrize("output", ["all", "worker0"])
 @pytest.mark.parametrize("how,shown", [("default", False), ("verbose", True),
                                         ("user_level_0", True), ("user_level_1", "warn")])
-def test_tf_cpp_logs_hidden_unless_asked_for(tmp_path, output, how, shown):
+def test_tf_cpp_logs_hidden_unless_asked_for(run_process, tmp_path, output, how, shown):
     env = base_env()
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     if how.startswith("user_level"):
@@ -396,7 +396,7 @@ def test_tf_cpp_logs_hidden_unless_asked_for(tmp_path, output, how, shown):
                "shows them)" in err or output == "all"
 
 
-def test_cli_default_and_all_output(tmp_path):
+def test_cli_default_and_all_output(run_process, tmp_path):
     cmd = py(f"print('hi', {RANK})")
     res = run_cli("--workers", "2", "--log-dir", str(tmp_path / "logs"), "--", *cmd)
     assert res.returncode == 0, res.stderr
@@ -420,7 +420,7 @@ def test_cli_default_and_all_output(tmp_path):
                               "(TF_CPP_MIN_LOG_LEVEL=2; --verbose shows them)\n"), res.stderr
 
 
-def test_cli_help_covers_output_and_nodes():
+def test_cli_help_covers_output_and_nodes(run_process):
     res = run_cli("--help")
     assert res.returncode == 0
     assert "--all-output" not in res.stdout   # one way to choose the output: --output
@@ -460,7 +460,7 @@ def test_cli_help_covers_output_and_nodes():
     (["--slurm", "--workers-per-node", "1", "true"], "SLURM_PROCID"),
     (["--master-addr", "x", "true"], "--coordinator HOST:PORT"),
 ])
-def test_cli_node_usage_errors(args, needle):
+def test_cli_node_usage_errors(run_process, args, needle):
     res = run_cli(*args)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr
@@ -500,7 +500,7 @@ def _finish(*procs, timeout=50):
     return results
 
 
-def test_two_nodes_build_one_cluster():
+def test_two_nodes_build_one_cluster(run_process):
     port = _free_port()
     cmd = py("""
         import json
@@ -535,7 +535,7 @@ def test_two_nodes_build_one_cluster():
                 f"{ports[1]}, advertised as {cluster['worker'][a]}, {cluster['worker'][b]}") in err
 
 
-def test_a_failed_worker_on_one_node_stops_every_node():
+def test_a_failed_worker_on_one_node_stops_every_node(run_process):
     port = _free_port()
     cmd = py(f"""
         if {RANK} == 3:
@@ -570,7 +570,7 @@ def _kill_node(proc):
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_a_lost_node_ends_the_others_naming_it(how):
+def test_a_lost_node_ends_the_others_naming_it(run_process, how):
     port = _free_port()
     cmd = py("print('up', flush=True); time.sleep(60)")
     n0 = _node(0, port, cmd, "--node-timeout", "3", "--output", "all")
@@ -597,7 +597,7 @@ def test_a_lost_node_ends_the_others_naming_it(how):
                      r"node 0 \(127\.0\.0\.1\)$", err, re.M), err
 
 
-def test_a_node_that_never_shows_up_fails_the_join_in_one_line():
+def test_a_node_that_never_shows_up_fails_the_join_in_one_line(run_process):
     port = _free_port()
     n0 = _node(0, port, ["true"], "--join-timeout", "1")
     (c0, _, err0, s0), = _finish(n0, timeout=30)
@@ -612,7 +612,7 @@ def test_a_node_that_never_shows_up_fails_the_join_in_one_line():
                      r"within 1 s \(--join-timeout\)\. Received: last error: ", err1, re.M), err1
 
 
-def test_nodes_that_disagree_fail_with_one_line_and_a_stray_connection_is_ignored():
+def test_nodes_that_disagree_fail_with_one_line_and_a_stray_connection_is_ignored(run_process):
     import socket
     port = _free_port()
     n0 = _node(0, port, ["true"], "--join-timeout", "20")
@@ -636,7 +636,7 @@ def test_nodes_that_disagree_fail_with_one_line_and_a_stray_connection_is_ignore
                          re.M), err
 
 
-def test_slurm_launchers_build_one_cluster():
+def test_slurm_launchers_build_one_cluster(run_process):
     """`srun --ntasks-per-node=1 tfdp launch --slurm ...` as srun would start it on 2 nodes."""
     port = _free_port()
     cmd = py("print('ENV', os.environ['TFDP_WORKER_RANK'], os.environ['TFDP_NODE_RANK'], "

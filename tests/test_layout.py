@@ -125,7 +125,7 @@ def test_the_core_does_not_import_the_launcher_or_commands():
 @pytest.mark.parametrize("module", ["tfdp", "tfdp.reduce", "tfdp.reduce.registry",
                                     "tfdp.failures", "tfdp.launch.launcher", "tfdp.logs",
                                     "tfdp.strategy.role"])
-def test_names_only_imports_do_not_start_tensorflow(module):
+def test_names_only_imports_do_not_start_tensorflow(run_process, module):
     code = (f"import sys, {module}\n"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -13,7 +13,7 @@ import pytest
 
 from tfdp.testing import parse_results, run_workers
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TOL = 1e-5
@@ -157,8 +157,8 @@ def _assert_bitwise_equal(a, b):
 # 2 x 1: one device per worker (Keras sees plain tensors, not PerReplica): batches of 51 split
 # 26 | 25 and the last (6) 3 | 3.
 @pytest.mark.parametrize("cpu_replicas,batch", [(2, 50), (1, 51)])
-def test_keras_fit_evaluate_predict_two_workers_equal_single_device(tmp_path, cpu_replicas,
-                                                                    batch):
+def test_keras_fit_evaluate_predict_two_workers_equal_single_device(worker_job, tmp_path,
+                                                                    cpu_replicas, batch):
     outputs = run_workers(FIT_SCRIPT, workers=2, cpu_replicas=cpu_replicas, timeout=150,
                           env=dict(ENV, OUT_DIR=str(tmp_path), BATCH=str(batch)))
     results = parse_results(outputs)
@@ -193,7 +193,7 @@ def test_keras_fit_evaluate_predict_two_workers_equal_single_device(tmp_path, cp
     np.testing.assert_allclose(pred, ref_res["pred"], rtol=1e-5, atol=1e-6)
 
 
-def test_custom_loop_two_workers_equal_single_device(tmp_path):
+def test_custom_loop_two_workers_equal_single_device(worker_job, tmp_path):
     outputs = run_workers(LOOP_SCRIPT, workers=2, cpu_replicas=2, timeout=150,
                           env=dict(ENV, OUT_DIR=str(tmp_path)))
     results = parse_results(outputs)
@@ -207,7 +207,7 @@ def test_custom_loop_two_workers_equal_single_device(tmp_path):
     np.testing.assert_allclose(results[0]["losses"], ref_losses, rtol=1e-5)
 
 
-def test_run_workers_reports_child_tracebacks():
+def test_run_workers_reports_child_tracebacks(worker_job):
     script = """
         import os, time
         from tfdp.testing import emit_result
@@ -223,7 +223,7 @@ def test_run_workers_reports_child_tracebacks():
     assert "RuntimeError: boom in worker 1" in text and "----- worker 0 -----" in text
 
 
-def test_run_workers_timeout_is_hard():
+def test_run_workers_timeout_is_hard(worker_job):
     with pytest.raises(AssertionError, match="timed out after 2 s"):
         run_workers("import time\ntime.sleep(120)\n", workers=2, cpu_replicas=None, timeout=2)
 
@@ -288,7 +288,7 @@ emit_result(rank=rank, err_sum=err_sum, err_mean=err_mean, ints=first(total[3]).
 """
 
 
-def test_fp16_compression_two_workers_sums_within_tolerance():
+def test_fp16_compression_two_workers_sums_within_tolerance(worker_job):
     outputs = run_workers(COMPRESSION_SCRIPT, workers=2, cpu_replicas=2, timeout=150, env=ENV)
     results = parse_results(outputs)
     assert results[0]["digest"] == results[1]["digest"]  # the same sums on both workers

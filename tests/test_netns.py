@@ -34,7 +34,7 @@ TOL = 1e-5
 JOB_TIMEOUT = 240   # each launcher's own --timeout
 HARD_TIMEOUT = 300  # the test kills everything after this
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(HARD_TIMEOUT + 60)]
+pytestmark = [pytest.mark.timeout(HARD_TIMEOUT + 60)]
 
 
 def _ip(*args, ns=None, check=True):
@@ -53,7 +53,7 @@ def _skip_reason():
 
 
 @pytest.fixture
-def two_hosts():
+def two_hosts(run_process):
     """(namespace A, namespace B, veth in A): two hosts joined by a veth pair; removed after."""
     reason = _skip_reason()
     if reason:
@@ -150,7 +150,8 @@ def _load(path):
         return [f[f"arr_{i}"] for i in range(len(f.files))]
 
 
-def test_two_hosts_fit_equivalence_then_a_cut_link_ends_both_sides(two_hosts, tmp_path):
+def test_two_hosts_fit_equivalence_then_a_cut_link_ends_both_sides(run_process, two_hosts,
+                                                                   tmp_path):
     ns_a, ns_b, veth_a = two_hosts
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER_SCRIPT))

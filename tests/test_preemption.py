@@ -100,7 +100,7 @@ def _sidecar(tmp_path):
     return meta["epoch"], meta["step_in_epoch"], meta["global_step"]
 
 
-def test_single_process_sigterm_exits_75_and_resumes_exactly(tmp_path):
+def test_single_process_sigterm_exits_75_and_resumes_exactly(run_process, tmp_path):
     from tfdp.testing import RESULT_MARK
     script = _script(tmp_path)
     code, out = _run([sys.executable, script], _env(tmp_path, KILL_AT=KILL_AT), tmp_path, 75)
@@ -117,8 +117,7 @@ def test_single_process_sigterm_exits_75_and_resumes_exactly(tmp_path):
     assert not (tmp_path / "backup").exists()  # finished: deleted
 
 
-@pytest.mark.multiprocess
-def test_launcher_max_restarts_resumes_after_exit_75(tmp_path):
+def test_launcher_max_restarts_resumes_after_exit_75(run_process, tmp_path):
     """tfdp launch --max-restarts 1: the preempted run exits 75, the restart resumes."""
     from tfdp.testing import RESULT_MARK
     script = _script(tmp_path)
@@ -132,9 +131,8 @@ def test_launcher_max_restarts_resumes_after_exit_75(tmp_path):
     assert res["restored"] and res["iterations"] == 12 and res["diff"] <= TOL, res
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_two_workers_sigterm_to_worker_1_only(tmp_path):
+def test_two_workers_sigterm_to_worker_1_only(worker_job, tmp_path):
     from tfdp.testing import format_failure, parse_results, run_workers, split_output
     script = _script(tmp_path)
     cmd = [sys.executable, "-m", "tfdp", "launch", "--all-output", "--workers", "2",

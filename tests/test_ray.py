@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.timeout(240)]
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(
     not HAVE_RAY, reason='Ray is not installed (pip install -e ".[ray]"; CI installs it)')
@@ -42,7 +42,7 @@ N_STEPS = 30
 # --- the cluster ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(run_process):
     """A local Ray cluster on 127.0.0.1: head only, no dashboard, 6 logical CPUs (4 for the
     workers, the rest for Ray Data tasks), a 256 MB object store. Shut down after the module."""
     if not HAVE_RAY:
@@ -162,7 +162,7 @@ def starter_run(ray_cluster, tmp_path_factory):
     return out
 
 
-def test_ray_starter_with_tfdp_equals_one_device(starter_run):
+def test_ray_starter_with_tfdp_equals_one_device(run_process, starter_run):
     out = starter_run
     for rank in range(WORKERS):
         assert _read_note(out, rank) == {"replicas": WORKERS * REPLICAS, "workers": WORKERS}
@@ -255,7 +255,7 @@ def _step_counts(per_worker, key, epoch=None):
     return [len(out[key] if epoch is None else out[key][epoch]) for out in per_worker]
 
 
-def test_ray_data_and_file_sharding_see_every_example_once(ray_cluster, tmp_path):
+def test_ray_data_and_file_sharding_see_every_example_once(run_process, ray_cluster, tmp_path):
     import ray.data
 
     import tfdp.ray
@@ -369,7 +369,7 @@ class Killer(threading.Thread):
             time.sleep(0.01)
 
 
-def test_killed_worker_ray_restarts_from_tfdp_backup_bitwise(starter_run, tmp_path):
+def test_killed_worker_ray_restarts_from_tfdp_backup_bitwise(run_process, starter_run, tmp_path):
     # Ray makes a reported checkpoint its restore point when its controller collects it (every
     # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 0.5 s here): kill at least 2.5 s after the first backup.
     rank = random.randrange(WORKERS)
@@ -403,7 +403,8 @@ def test_killed_worker_ray_restarts_from_tfdp_backup_bitwise(starter_run, tmp_pa
           "uninterrupted run on both workers")
 
 
-def test_dead_worker_without_restarts_ends_the_run_promptly_and_named(ray_cluster, tmp_path):
+def test_dead_worker_without_restarts_ends_the_run_promptly_and_named(run_process, ray_cluster,
+                                                                      tmp_path):
     from ray.train import TrainingFailedError   # (v2: what trainer.fit raises)
     killer = Killer(str(tmp_path), 1, 3)
     killer.start()
@@ -424,7 +425,7 @@ def test_dead_worker_without_restarts_ends_the_run_promptly_and_named(ray_cluste
 
 # --- without a cluster ---------------------------------------------------------------------------
 
-def test_import_tfdp_ray_imports_neither_ray_nor_tensorflow():
+def test_import_tfdp_ray_imports_neither_ray_nor_tensorflow(run_process):
     import subprocess
     code = ("import sys, tfdp, tfdp.ray\n"
             "assert 'ray' not in sys.modules and 'tensorflow' not in sys.modules, "

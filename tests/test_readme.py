@@ -197,10 +197,9 @@ def run_as_written(words, full=FULL):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("words,skip", _readme_commands())
-def test_readme_command_runs_as_written(words, skip):
+def test_readme_command_runs_as_written(run_process, words, skip):
     if skip is not None:
         assert len(skip.strip()) > 5, "a skipped README block says why"
         pytest.skip(f"README block not run here: {skip}")

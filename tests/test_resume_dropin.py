@@ -231,10 +231,9 @@ emit_result(rank=rank, restored=backup.restored, first_attempt=first_attempt,
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kind,kill_rank", [("shuffled", 1), ("numpy", 0)])
-def test_two_workers_killed_worker_restarted_by_launcher(tmp_path, kind, kill_rank):
+def test_two_workers_killed_worker_restarted_by_launcher(run_process, tmp_path, kind, kill_rank):
     import json
     import subprocess
     import sys

@@ -45,7 +45,7 @@ def _lines(r, mark):
 # --- one process: TFDP_CPU_REPLICAS honoured whenever tfdp is imported before the runtime -------
 
 @pytest.mark.timeout(200)
-def test_env_var_honoured_when_datasets_seeds_and_ops_come_first():
+def test_env_var_honoured_when_datasets_seeds_and_ops_come_first(run_process):
     r = _run("""
         import importlib.util, sys
         import tfdp
@@ -85,7 +85,7 @@ def test_env_var_honoured_when_datasets_seeds_and_ops_come_first():
 
 
 @pytest.mark.timeout(200)
-def test_env_var_honoured_when_tensorflow_is_imported_before_tfdp():
+def test_env_var_honoured_when_tensorflow_is_imported_before_tfdp(run_process):
     r = _run("""
         import tensorflow as tf
         import tfdp                      # TF imported, runtime not started: split now
@@ -105,7 +105,7 @@ def test_env_var_honoured_when_tensorflow_is_imported_before_tfdp():
                    "Received: TFDP_CPU_REPLICAS=2 with 1 logical CPU device(s)",
                    "before the program starts"]),
 ])
-def test_too_late_for_the_cpu_split_is_one_clear_line(when, needles):
+def test_too_late_for_the_cpu_split_is_one_clear_line(run_process, when, needles):
     code = {
         "before_import": """
             import os
@@ -140,7 +140,7 @@ def test_too_late_for_the_cpu_split_is_one_clear_line(when, needles):
 
 
 @pytest.mark.timeout(200)
-def test_an_explicit_configure_call_wins_over_the_variable_and_says_so():
+def test_an_explicit_configure_call_wins_over_the_variable_and_says_so(run_process):
     """Arguments > environment: the program's own configure_cpu_replicas(4) beats
     TFDP_CPU_REPLICAS=2 (already applied at import), with one log line naming both."""
     r = _run("""
@@ -159,7 +159,8 @@ def test_an_explicit_configure_call_wins_over_the_variable_and_says_so():
 
 
 @pytest.mark.timeout(200)
-def test_an_explicit_call_after_the_runtime_started_with_the_variable_is_one_clear_line():
+def test_an_explicit_call_after_the_runtime_started_with_the_variable_is_one_clear_line(
+        run_process):
     r = _run("""
         import tfdp
         import tensorflow as tf
@@ -181,7 +182,7 @@ def test_an_explicit_call_after_the_runtime_started_with_the_variable_is_one_cle
 
 
 @pytest.mark.timeout(200)
-def test_port_in_use_is_clear_also_when_a_dataset_comes_first():
+def test_port_in_use_is_clear_also_when_a_dataset_comes_first(run_process):
     """The runtime started before the strategy: the worker's port is still checked first."""
     import json
     import socket
@@ -286,11 +287,11 @@ def _max_diff(a, b):
                for p, q in zip(a, b))
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cpu_replicas,devices", [(None, None), (2, ["CPU:0", "CPU:1"])],
                          ids=["1-replica-per-worker", "2-cpu-replicas-explicit-list"])
-def test_workers_train_when_the_dataset_comes_before_the_strategy(cpu_replicas, devices):
+def test_workers_train_when_the_dataset_comes_before_the_strategy(worker_job, cpu_replicas,
+                                                                  devices):
     import json
     outputs = run_workers(DATASET_FIRST_SCRIPT, workers=2, cpu_replicas=cpu_replicas,
                           timeout=200, env=dict(ENV, DEVICES=json.dumps(devices)))
@@ -390,9 +391,8 @@ emit_result(rank=rank, replicas=strategy.num_replicas_in_sync, runs=out)
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_tutorial_custom_loop_lazy_slots_two_workers_two_replicas_equal_one_device():
+def test_tutorial_custom_loop_lazy_slots_two_workers_two_replicas_equal_one_device(worker_job):
     outputs = run_workers(LOOP_SCRIPT, workers=2, cpu_replicas=2, timeout=200, env=ENV)
     results = parse_results(outputs)
     assert [r["replicas"] for r in results] == [4, 4]
@@ -429,7 +429,7 @@ _BEFORE = """
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("form", ["default", "explicit_outside", "explicit_inside"])
-def test_a_model_built_before_the_strategy_is_one_error_naming_the_fix(form):
+def test_a_model_built_before_the_strategy_is_one_error_naming_the_fix(run_process, form):
     strategy, fit = {
         "default": ("tfdp.set_default_strategy()",
                     "model.compile('adam', 'mse'); model.fit(x, y, batch_size=8, verbose=0)"),

@@ -175,10 +175,9 @@ def _tfdp_lines(text):
     return [ln for ln in text.splitlines() if ln.startswith("tfdp")]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("index, how", [(0, "env"), (1, "argument")])
-def test_one_worker_of_two_exits_1_with_one_line(index, how):
+def test_one_worker_of_two_exits_1_with_one_line(run_process, index, how):
     """Worker 0 alone (it leads TF's coordination service) or worker 1 alone (the leader is
     missing); the timeout from TFDP_STARTUP_TIMEOUT or from startup_timeout=."""
     ports = _ports(2)
@@ -198,10 +197,9 @@ def test_one_worker_of_two_exits_1_with_one_line(index, how):
     assert "gave up after 3 s" in lines[-1] and "TF_CONFIG" in lines[-1], lines
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
-def test_signals_end_the_wait_promptly(sig, code):
+def test_signals_end_the_wait_promptly(run_process, sig, code):
     ports = _ports(2)
     p = _start(TWO_LINES, {"TF_CONFIG": _tf_config(ports, 0)})
     try:
@@ -227,9 +225,8 @@ def test_signals_end_the_wait_promptly(sig, code):
         assert "Traceback" not in err, err
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_sigterm_ends_a_started_multi_worker_process():
+def test_sigterm_ends_a_started_multi_worker_process(run_process):
     """TF's start-up installs a SIGTERM handler that only logs: after tfdp's start-up the
     program's own handling is back, so a SIGTERM to one worker ends it (the launcher then
     stops the other)."""
@@ -262,9 +259,8 @@ def test_sigterm_ends_a_started_multi_worker_process():
     assert r.returncode == 1, text
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_peer_lost_after_the_rendezvous_cannot_hang_tensorflows_start_up():
+def test_a_peer_lost_after_the_rendezvous_cannot_hang_tensorflows_start_up(run_process):
     """Worker 1 meets worker 0, then stops before TensorFlow's start-up: TF would wait for it
     forever, holding the GIL; the watchdog process prints one line and ends worker 0."""
     ports = _ports(2)

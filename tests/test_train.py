@@ -122,7 +122,7 @@ def test_missing_config_file_lists_available(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["unknown_key", "wrong_type", "missing_file", "bad_flag"])
-def test_cli_bad_config_is_one_line_exit_2(tmp_path, case):
+def test_cli_bad_config_is_one_line_exit_2(run_process, tmp_path, case):
     args = {"unknown_key": lambda: [_write(tmp_path, GOOD + "[train]\nepoch = 3\n")],
             "wrong_type": lambda: [_write(tmp_path, GOOD.replace("= 64", "= 'many'"))],
             "missing_file": lambda: [str(tmp_path / "missing.toml")],
@@ -316,7 +316,7 @@ def test_tiny_resnet_cifar10_synthetic_stand_in():
 
 
 @pytest.mark.timeout(150)
-def test_cli_tiny_run_summary_and_missed_target():
+def test_cli_tiny_run_summary_and_missed_target(run_process):
     """The CLI end to end in a fresh process; a missed target exits 3 naming the figure and the
     target (targets given with --set are checked even with --tiny)."""
     p = _cli(["configs/quickstart.toml", "--tiny", "--set", "targets.max_step_time_ms=0.001"],
@@ -341,7 +341,7 @@ def test_cli_tiny_run_summary_and_missed_target():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["--verbose", "TF_CPP_MIN_LOG_LEVEL=0"])
-def test_cli_loud_on_request(tmp_path, how):
+def test_cli_loud_on_request(run_process, tmp_path, how):
     env = _env()
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     args = [_write(tmp_path, GOOD), "--tiny", "--set", "monitor.allreduce_estimate=false"]
@@ -355,11 +355,10 @@ def test_cli_loud_on_request(tmp_path, how):
     assert "oneDNN custom operations" in p.stderr, p.stderr   # TF's own INFO line, shown
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 @pytest.mark.parametrize("name", ["resnet_cifar10", "bert_mlm", "recommender",
                                   "workstation_vision"])
-def test_tiny_config_across_two_workers(name, tmp_path):
+def test_tiny_config_across_two_workers(run_process, name, tmp_path):
     extra = ["--set", f"data.dir={str(tmp_path)!r}"] if name == "recommender" else []
     cmd = [sys.executable, "-m", "tfdp", "launch", "--output", "all",
            "--workers", "2", "--cpu-replicas", "2",
@@ -372,9 +371,8 @@ def test_tiny_config_across_two_workers(name, tmp_path):
     assert f"[worker 1] tfdp train: {name} finished on worker 1" in out
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
-def test_tiny_quickstart_across_two_workers():
+def test_tiny_quickstart_across_two_workers(run_process):
     cmd = [sys.executable, "-m", "tfdp", "launch", "--output", "all",
            "--workers", "2", "--cpu-replicas", "2",
            "--timeout", "230", "--", *TRAIN, "configs/quickstart.toml", "--tiny"]
@@ -425,7 +423,7 @@ def test_cpu_replicas_precedence(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_cli_bad_cpu_replicas_variable_is_a_usage_error(tmp_path):
+def test_cli_bad_cpu_replicas_variable_is_a_usage_error(run_process, tmp_path):
     env = dict(_env(), TFDP_CPU_REPLICAS="four")
     p = subprocess.run([*TRAIN, _write(tmp_path, GOOD)], cwd=ROOT, capture_output=True,
                        text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
@@ -710,7 +708,7 @@ def test_builder_mistakes_are_found_without_importing_the_module(tmp_path, kwarg
 
 
 @pytest.mark.timeout(60)
-def test_cli_builder_mistake_is_one_line_before_tensorflow(tmp_path):
+def test_cli_builder_mistake_is_one_line_before_tensorflow(run_process, tmp_path):
     (tmp_path / "never_imported.py").write_text(UNIMPORTABLE)
     path = _write(tmp_path, '[data]\nbuilder = "never_imported:data"\nglobal_batch_size = 32\n'
                             '[model]\nbuilder = "never_imported:model"\nhidden = 3\n')
@@ -734,9 +732,8 @@ def test_shipped_targets_are_quality_or_relative(path):
                                         "min_scaling_efficiency"}, targets
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_a_global_batch_smaller_than_the_replicas_trains_with_a_warning():
+def test_a_global_batch_smaller_than_the_replicas_trains_with_a_warning(run_process):
     p = _cli(["configs/quickstart.toml", "--tiny", "--set", "data.global_batch_size=2",
               "--set", "strategy.cpu_replicas=4"], timeout=220)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -57,7 +57,7 @@ def test_the_examples_twin_adds_exactly_two_lines():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_examples_twins_both_run():
+def test_the_examples_twins_both_run(run_process):
     single = _run(os.path.join(EXAMPLES, "workstation_vision_single.py"))
     dp = _run(os.path.join(EXAMPLES, "workstation_vision_dp.py"), replicas=4)
     assert "1 replica(s)" in single and "DataParallelStrategy: 4 replica(s)" in dp, (single, dp)
@@ -106,7 +106,7 @@ def _twin(single: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_two_added_lines_train_the_same_weights_as_one_device(tmp_path):
+def test_two_added_lines_train_the_same_weights_as_one_device(run_process, tmp_path):
     single_path, twin_path = tmp_path / "single.py", tmp_path / "twin.py"
     single_path.write_text(SINGLE)
     twin_path.write_text(_twin(SINGLE))
@@ -129,7 +129,7 @@ def test_two_added_lines_train_the_same_weights_as_one_device(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_set_default_strategy_errors_are_clear():
+def test_set_default_strategy_errors_are_clear(run_process):
     code = '''
 import tfdp, tensorflow as tf
 s = tfdp.DataParallelStrategy()
@@ -180,7 +180,7 @@ def _script(code, env_extra=None):
     ("import logging; logging.basicConfig(level=logging.INFO, format='LOG %(message)s')",
      "LOG tfdp: DataParallelStrategy: 1 replica on CPU:0"),
 ])
-def test_the_two_line_script_says_what_it_runs_on_once(setup, expected):
+def test_the_two_line_script_says_what_it_runs_on_once(run_process, setup, expected):
     r = _script(f"""
         {setup if setup != "ENV" else ""}
         import tfdp

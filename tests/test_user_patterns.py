@@ -94,10 +94,9 @@ def test_groups_cover_the_multiworker_rows():
     assert [r for g in GROUPS.values() for r in g] == MULTIWORKER_ROWS
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_rows_two_workers_equal_single_device(group):
+def test_rows_two_workers_equal_single_device(worker_job, group):
     names = GROUPS[group]
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=500,
                           env={"PATTERN_ROWS": ",".join(names), "CUDA_VISIBLE_DEVICES": ""})
@@ -128,7 +127,7 @@ def _bench(*args, timeout=300):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_bench_patterns_list_and_bad_rows():
+def test_bench_patterns_list_and_bad_rows(run_process):
     res = _bench("--list", timeout=60)
     assert res.returncode == 0, res.stderr
     assert [ln.split()[0] for ln in res.stdout.splitlines()] == [r.name for r in ROWS]
@@ -137,7 +136,7 @@ def test_bench_patterns_list_and_bad_rows():
 
 
 @pytest.mark.timeout(300)
-def test_bench_patterns_one_row(tmp_path):
+def test_bench_patterns_one_row(run_process, tmp_path):
     import json
     out = tmp_path / "p.json"
     res = _bench("--rows", "clipnorm_even", "--json", str(out))

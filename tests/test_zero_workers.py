@@ -90,9 +90,8 @@ emit_result(out)
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_two_workers_sharded(tmp_path):
+def test_two_workers_sharded(worker_job, tmp_path):
     from tfdp.testing import parse_results, run_workers
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=800,
                           env={"TFDP_TEST_DIR": TESTS_DIR, "CUDA_VISIBLE_DEVICES": "",
