@@ -11,7 +11,9 @@ runs both):
   browser, ``ip netns``, Ray). It is applied here, automatically, to every test whose fixtures
   include one of :data:`PROCESS_FIXTURES` (directly, through ``usefixtures``, or through another
   fixture) -- never by hand. ``multiprocess`` is kept as an alias of ``e2e`` (applied with it).
-- ``slow``: full README runs, network-namespace jobs, fault trials, long benchmark runs (by hand).
+- ``slow``: full README runs, network-namespace jobs, fault trials, long benchmark runs (by hand,
+  or here in :data:`SLOW`).
+- ``serial``: e2e tests that .ci/run runs one at a time, not under pytest-xdist (:data:`SERIAL`).
 
 The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
 ``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
@@ -37,12 +39,37 @@ tfdp.configure_cpu_replicas(4)  # before any test can start the TF runtime
 #: Fixtures that start processes: a test using any of them (or a fixture that does) is ``e2e``.
 PROCESS_FIXTURES = ("run_process", "worker_job")
 
+#: ``slow`` besides the tests marked by hand: network namespaces and fault trials (node id
+#: prefixes). (The README's full runs and the long benchmark runs are marked where they are.)
+SLOW = (
+    "tests/test_netns.py::",                                       # two hosts in namespaces
+    "tests/test_faults.py::test_kill_detect_and_kill_in_write_end_to_end",  # fault trials
+    "tests/test_failures.py::test_dead_worker_ends_the_job_with_its_name_and_address",
+    "tests/test_failures.py::test_stopped_worker_is_detected_and_named",
+    "tests/test_failures.py::test_a_slow_step_is_not_a_failure",
+)
+
+#: e2e tests that ``.ci/run`` runs one at a time (``serial``), not beside others under
+#: pytest-xdist: they assert how fast the launcher or a worker reacts, use network namespaces,
+#: or run the README's commands in the repository root.
+SERIAL = (
+    "tests/test_failures.py::",   # seconds from a failure to the end of the job
+    "tests/test_startup.py::",    # start-up deadlines and signals, timed
+    "tests/test_launch.py::",     # first output within seconds, a lost node within 10 s
+    "tests/test_faults.py::",     # fault trials: kill, detect, restart, timed
+    "tests/test_netns.py::",      # root, network namespaces
+    "tests/test_readme.py::",     # the README's commands as written, in the repository root
+)
+
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "e2e: starts processes (applied automatically by tests/conftest.py to tests "
         "using the run_process / worker_job fixtures; deselect with -m 'not e2e')")
     config.addinivalue_line("markers", "multiprocess: alias of e2e (applied with it)")
+    config.addinivalue_line(
+        "markers", "serial: e2e tests .ci/run keeps out of pytest-xdist (timed, namespaces, "
+        "README runs; tests/conftest.py's SERIAL)")
     config.addinivalue_line(
         "markers", "slow: full README runs, network namespaces, fault trials, long benchmark "
         "runs (deselect with -m 'not slow')")
@@ -56,9 +83,13 @@ def _uses_process_fixture(item) -> bool:
 def pytest_collection_modifyitems(session, config, items):
     errors = []
     for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
         if _uses_process_fixture(item):
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.multiprocess)
+            if item.nodeid.startswith(SERIAL):
+                item.add_marker(pytest.mark.serial)
         elif item.get_closest_marker("e2e") or item.get_closest_marker("multiprocess"):
             errors.append(item.nodeid)
     if errors:
@@ -179,3 +210,32 @@ def cpu_devices():
     """The test process's logical CPU devices (4 of them, configured at import)."""
     import tensorflow as tf
     return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+@pytest.fixture
+def tfdp_cli(capsys, monkeypatch):
+    """``tfdp ARGS`` in this process (a core-tier test of a command-line usage error):
+    ``tfdp_cli(argv) -> (exit code, stdout, stderr)``, run in the repository root without
+    ``TF_CONFIG`` / ``TFDP_CPU_REPLICAS``, as ``python -m tfdp ARGS`` would report them. The
+    guard fails the test if the command starts a process."""
+    import tfdp.cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(argv):
+        monkeypatch.chdir(root)
+        for name in ("TF_CONFIG", "TFDP_CPU_REPLICAS"):
+            monkeypatch.delenv(name, raising=False)
+        capsys.readouterr()
+        try:
+            code = tfdp.cli.main(list(argv))
+        except SystemExit as e:  # argparse, or a command's sys.exit: what the process would do
+            code = e.code
+        out, err = capsys.readouterr()
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):  # sys.exit("message"): printed, exit code 1
+            err, code = err + f"{code}\n", 1
+        return int(code), out, err
+
+    return run

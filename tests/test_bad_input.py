@@ -588,19 +588,31 @@ CLI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, received, fix", CLI_CASES)
-def test_cli_usage_error(run_process, argv, received, fix):
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDP_CPU_REPLICAS")}
-    r = subprocess.run([PY, "-m", "tfdp", *argv], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    assert r.stdout == "", r.stdout  # no worker was started, nothing ran
-    last = [l for l in r.stderr.splitlines() if l.strip()][-1]
-    assert last.startswith(f"tfdp {argv[0]}: error: "), r.stderr
+def _check_usage_error(argv, received, fix, returncode, stdout, stderr):
+    assert returncode == 2, (returncode, stdout, stderr)
+    assert "Traceback" not in stderr, stderr
+    assert stdout == "", stdout  # no worker was started, nothing ran
+    last = [l for l in stderr.splitlines() if l.strip()][-1]
+    assert last.startswith(f"tfdp {argv[0]}: error: "), stderr
     msg = last.split(": error: ", 1)[1]
     assert msg[:1].isupper(), msg
     assert received in msg and fix in msg, msg
+
+
+@pytest.mark.parametrize("argv, received, fix", CLI_CASES)
+def test_cli_usage_error(tfdp_cli, argv, received, fix):
+    """In this process (``tfdp.cli.main``): the core tier's guard also fails it if a process
+    (a worker) is started."""
+    _check_usage_error(argv, received, fix, *tfdp_cli(argv))
+
+
+@pytest.mark.parametrize("argv, received, fix", [CLI_CASES[0], CLI_CASES[4]])
+def test_cli_usage_error_through_python_m_tfdp(run_process, argv, received, fix):
+    """The same, as a user sees it: ``python -m tfdp ...`` in a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDP_CPU_REPLICAS")}
+    r = subprocess.run([PY, "-m", "tfdp", *argv], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    _check_usage_error(argv, received, fix, r.returncode, r.stdout, r.stderr)
 
 
 # ============================================================ security

@@ -135,14 +135,14 @@ def test_bad_tf_config_is_a_clear_error_not_single_worker(run_process, tf_config
     assert "ERR" in r.stdout and needle in r.stdout and "Received" in r.stdout, r.stdout + r.stderr
 
 
-def test_cli_help_and_unknown_command(run_process):
-    r = subprocess.run([sys.executable, "-m", "tfdp", "--help"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode == 0 and "launch" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "tfdp", "trian"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode == 2 and "Received: 'trian'" in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_cli_help_and_unknown_command(tfdp_cli):
+    """In this process (``tfdp.cli.main``); tests/test_bad_input.py runs usage errors through
+    ``python -m tfdp`` too."""
+    returncode, stdout, _ = tfdp_cli(["--help"])
+    assert returncode == 0 and "launch" in stdout
+    returncode, _, stderr = tfdp_cli(["trian"])
+    assert returncode == 2 and "Received: 'trian'" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
 
 
 def test_repr_and_properties():
