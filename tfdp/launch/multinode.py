@@ -30,8 +30,8 @@ from typing import IO, Mapping, Sequence
 from tfdp import errors
 from tfdp.errors import UsageError
 from tfdp.launch import rendezvous as rdzv
-from tfdp.launch.launcher import (_ForwardedSignals, _Job, _check_int, _supervise,
-                                  validate)
+from tfdp.launch.job import _ForwardedSignals, _Job, _supervise
+from tfdp.launch.launcher import _check_int, validate
 
 DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_NODE_TIMEOUT = 10.0

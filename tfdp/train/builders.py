@@ -323,10 +323,10 @@ def _data_function(cfg, fn=None):
 
 
 def build_data(cfg):
-    """A :class:`tfdp.train.data.Data` from ``[data] builder``."""
+    """A :class:`tfdp.train.inputs.Data` from ``[data] builder``."""
     import tensorflow as tf
 
-    from tfdp.train.data import Data
+    from tfdp.train.inputs import Data
     d = cfg["data"]
     text = d["builder"]
     fn, params, style, kwargs = _data_function(cfg)

@@ -10,44 +10,27 @@
 * ``interactions``: SYNTHETIC click logs written as TFRecord shards on first use
   (``tfdp.data.write_interactions_tfrecords``); each worker reads its own files.
 
-Every source gives a :class:`Data`: distributed train / eval inputs for a strategy and a local,
+Every source gives a :class:`~tfdp.train.inputs.Data`: distributed train / eval inputs for a strategy and a local,
 non-distributed input (for the 1-replica baseline).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
 import tempfile
-from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 
 import tfdp.data as tdata
 from tfdp.errors import TfdpError, message
+from tfdp.train.inputs import Data  # noqa: F401 (also tfdp.train.data.Data)
 
 log = logging.getLogger("tfdp")
 
 MASK_ID, FIRST_TOKEN = 1, 4          # 0 [PAD], 1 [MASK], 2 [CLS], 3 [SEP]; words from 4
-
-
-@dataclasses.dataclass
-class Data:
-    name: str
-    description: str
-    synthetic: bool
-    num_train: int
-    num_eval: int
-    info: dict
-    # (strategy, global_batch_size, shuffle_seed) -> distributed dataset, endless, reshuffled
-    train: Callable
-    # (strategy, global_batch_size) -> distributed dataset, one pass
-    eval: Callable
-    # (batch_size) -> local tf.data.Dataset of batches, endless (baseline runs)
-    local: Callable
 
 
 def build(cfg) -> Data:
