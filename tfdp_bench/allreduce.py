@@ -35,62 +35,18 @@ from tfdp_bench._common import (BENCH_ALGORITHMS, CHECK_TOLERANCE, COMPRESSIONS,
 from tfdp_bench.parser import (BenchParser, add_common_options, check_positive, check_writable,
                                split_list, write_json)
 from tfdp.errors import TfdpError, UsageError
+from tfdp_bench.allreduce_report import (  # noqa: F401 (re-exported: the output)
+    REFERENCE_KINDS, format_allreduce, write_plot)
+from tfdp_bench.workloads import (  # noqa: F401 (re-exported: the workloads, as before)
+    DEFAULT_SIZES, MODELS, _num_elements, mlp_shapes, resnet50_shapes, workloads_for)
 
-MODELS = ("resnet50", "mlp", "sizes")
 DEFAULT_ALGORITHMS = BENCH_ALGORITHMS
-DEFAULT_SIZES = ("1K", "16K", "256K", "4M", "64M")
 DEFAULT_REPEATS = 15
 # Each timed sample repeats a contender's step until it lasts about this long (at most MAX_ITERS
 # times), so that microsecond-scale steps are not lost in timer and Python noise.
 TARGET_SAMPLE_S = 0.02
 MAX_ITERS = 50
 _START = [0.0]  # run_allreduce's start, for the elapsed time in progress lines
-
-
-# --- workloads -----------------------------------------------------------------------------------
-
-def resnet50_shapes() -> list[tuple]:
-    """The trainable-variable shapes of ``keras.applications.ResNet50(weights=None)``, in order.
-
-    214 tensors, 25,583,592 float32 (Keras 3 convolutions have biases; the 161 of other
-    frameworks' ResNet50 have none). Computed instead of building the model (seconds); a test
-    checks it against Keras.
-    """
-    s = [(7, 7, 3, 64), (64,), (64,), (64,)]  # conv1 kernel, bias; bn gamma, beta
-    cin = 64
-    for f, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        out = 4 * f
-        for b in range(blocks):
-            s += [(1, 1, cin, f), (f,), (f,), (f,), (3, 3, f, f), (f,), (f,), (f,)]
-            if b == 0:  # shortcut conv (0) and conv 3, then bn 0 and bn 3
-                s += [(1, 1, cin, out), (out,), (1, 1, f, out), (out,)] + [(out,)] * 4
-            else:
-                s += [(1, 1, f, out), (out,), (out,), (out,)]
-            cin = out
-    return s + [(2048, 1000), (1000,)]
-
-
-def mlp_shapes(layers: int = 60, width: int = 64) -> list[tuple]:
-    """Gradients of ``layers`` Dense(width) layers on width-wide inputs: kernel and bias each."""
-    return [(width, width), (width,)] * layers
-
-
-def workloads_for(model: str, sizes=None) -> list[dict]:
-    """[{"name", "shapes"}]: one workload, or one per size (bytes, rounded down to float32s)."""
-    if model == "resnet50":
-        return [{"name": "resnet50", "shapes": resnet50_shapes()}]
-    if model == "mlp":
-        return [{"name": "mlp", "shapes": mlp_shapes()}]
-    if model == "sizes":
-        sizes = [_common.parse_size(s) if isinstance(s, str) else int(s)
-                 for s in (sizes or DEFAULT_SIZES)]
-        return [{"name": _common.fmt_bytes(n), "shapes": [(max(1, n // 4),)], "size_arg": n}
-                for n in sizes]
-    raise TfdpError(f"Invalid model. Received: model={model!r}. Valid: {', '.join(MODELS)}.")
-
-
-def _num_elements(shape) -> int:
-    return int(math.prod(shape))
 
 
 # --- contenders ----------------------------------------------------------------------------------
@@ -356,91 +312,6 @@ def run_allreduce(cpu_replicas: int = 4, model: str = "resnet50", sizes=None,
                   "memory": "the memory row times np.add(a, b, out=c) over buffers of the "
                             "workload's size (memory_traffic_gbps counts the 3x bytes moved)"},
     }
-
-
-# --- output --------------------------------------------------------------------------------------
-
-REFERENCE_KINDS = ("numpy", "memory", "tcp")
-
-
-def format_allreduce(result: dict) -> str:
-    if result.get("mode") == "workers":
-        return workers.format_workers(result)
-    k = result["cpu_replicas"]
-    env = result["environment"]
-    lines = [f"tfdp bench allreduce: model {result['model']}, {k} CPU replicas "
-             f"({env['cpu_cores']} cores), {result['repeats']} rounds, TF {env['tensorflow']}",
-             f"MirroredStrategy default cross_device_ops: {result['mirrored_cross_device_ops']}"]
-    headers = ["contender", "median ms", "min ms", "algbw GB/s", "busbw GB/s", "MS/this"]
-    sizes_mode = result["model"] == "sizes"
-    if sizes_mode:
-        headers = ["size"] + headers
-    rows = []
-    for w in result["workloads"]:
-        if not sizes_mode:
-            lines.append(f"workload {w['name']}: {w['tensors']} float32 tensors, "
-                         f"{w['bytes']:,} bytes ({w['bytes'] / 1e6:.1f} MB) per replica")
-        elif rows:
-            rows.append(None)
-        for i, r in enumerate(w["results"]):
-            row = [r["contender"], f"{r['median_s'] * 1e3:.3f}", f"{r['min_s'] * 1e3:.3f}",
-                   f"{r['algbw_gbps']:.2f}", f"{r['busbw_gbps']:.2f}",
-                   f"{r['ratio_mirrored_over_this']:.2f}"]
-            rows.append(([w["name"] if i == 0 else ""] if sizes_mode else []) + row)
-    right = set(range(2 if sizes_mode else 1, len(headers)))
-    lines += ["", _common.render_table(headers, rows, right=right), "",
-              "MS/this = MirroredStrategy (default cross_device_ops) median / this median; "
-              "> 1: faster than MirroredStrategy.",
-              f"busbw = algbw * 2(K-1)/K. The numpy row is a one-thread {k}-way sum with no "
-              "broadcast: a memory-bound reference, not an all-reduce.",
-              _common.memory_note(result)]
-    return "\n".join(lines)
-
-
-def write_plot(result: dict, path: str) -> None:
-    """busbw vs size per contender (sizes mode), else busbw per contender as bars."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise TfdpError(
-            f"--plot needs matplotlib, which is not installed. Received: --plot {path!r}. "
-            "Install it (pip install matplotlib) or drop --plot.") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    workers = result.get("mode") == "workers"
-    where = (f"{result['workers']} workers over loopback" if workers
-             else f"{result['cpu_replicas']} CPU replicas")
-    if result["model"] == "sizes":
-        kinds = {c["name"]: c["kind"] for c in result["contenders"]}
-        for name in kinds:
-            xs, ys = [], []
-            for w in result["workloads"]:
-                r = next((r for r in w["results"] if r["contender"] == name), None)
-                if r is not None:
-                    xs.append(w["bytes"])
-                    ys.append(r["busbw_gbps"])
-            ax.plot(xs, ys, marker="o", label=name,
-                    linestyle="--" if kinds[name] in REFERENCE_KINDS else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ticks = [w["bytes"] for w in result["workloads"]]
-        ax.set_xticks(ticks, [_common.fmt_bytes(t) for t in ticks])
-        ax.set_xlabel("bytes per worker" if workers else "bytes per replica")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.legend(fontsize=8)
-    else:
-        w = result["workloads"][0]
-        names = [r["contender"] for r in w["results"]]
-        ax.barh(names, [r["busbw_gbps"] for r in w["results"]])
-        ax.invert_yaxis()
-        ax.set_xlabel("busbw (GB/s)")
-    ax.set_title(f"all-reduce busbw, {where} ({result['model']}); dashed: references")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # --- command line: tfdp bench allreduce ----------------------------------------------------------

@@ -359,7 +359,7 @@ def run(args) -> int:
     result = {"benchmark": "scaling", "formula": FORMULA, "step_compute_s": step_s,
               "grad_bytes": grad_bytes, "overlap": args.overlap}
     if args.measure:
-        from tfdp_bench.workers import loopback_tcp_bandwidth
+        from tfdp_bench.references import loopback_tcp_bandwidth
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         t0 = time.perf_counter()
         tcp = loopback_tcp_bandwidth(256 << 20)
