@@ -144,7 +144,7 @@ def test_masked_loss_under_per_replica_xla_is_refused_clearly():
 
 def test_nothing_changes_outside_a_tfdp_step():
     """A masked loss and a Mean tracker outside any strategy: Keras's own values."""
-    tfdp.DataParallelStrategy(DEVS)  # hooks installed
+    strategy = tfdp.DataParallelStrategy(DEVS)  # hooks installed while it lives
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     logits = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32"))
     y = tf.constant([[1, 2, 0], [3, 0, 0]])

@@ -61,7 +61,7 @@ class _null:
 
 
 def test_perf_hook_points_exist_in_the_installed_keras():
-    tfdp.DataParallelStrategy(DEVS[:2])  # installs the hooks
+    strategy = tfdp.DataParallelStrategy(DEVS[:2])  # installs the hooks while it lives
     points = tfp.keras_perf_hook_points()
     assert set(points) == set(gradient_path._PERF_HOOKS)
     for name, (owner, attr) in points.items():

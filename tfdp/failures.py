@@ -198,27 +198,33 @@ def model_mismatch_message(error, variable, num_workers):
 
 class PeerFailureHook:
     """``sys.excepthook`` wrapper: after the usual traceback of an uncaught error caused by a
-    lost peer, print one ``PEER_FAILURE_MARK`` line naming it. Installed once per process by the
-    strategy (the newest strategy's settings are used); other errors pass through unchanged."""
+    lost peer, print one ``PEER_FAILURE_MARK`` line naming it; other errors pass through
+    unchanged. In ``sys.excepthook`` while a multi-worker strategy lives (the adapter's
+    ``peer_failure`` set, ``tfdp.keras.adapter``); the newest strategy's settings are used."""
 
-    installed = None
+    settings = (None, None, None)  # (cluster, heartbeat_timeout, collective_timeout)
 
     def __init__(self, previous):
         self.previous = previous
-        self.cluster = None
-        self.heartbeat_timeout = None
-        self.collective_timeout = None
+
+    @property
+    def cluster(self):
+        return type(self).settings[0]
+
+    @property
+    def heartbeat_timeout(self):
+        return type(self).settings[1]
+
+    @property
+    def collective_timeout(self):
+        return type(self).settings[2]
 
     @classmethod
-    def install(cls, cluster, heartbeat_timeout, collective_timeout):
-        hook = cls.installed
-        if hook is None or sys.excepthook is not hook:
-            hook = cls(sys.excepthook)
-            sys.excepthook = hook
-            cls.installed = hook
-        hook.cluster = cluster
-        hook.heartbeat_timeout = heartbeat_timeout
-        hook.collective_timeout = collective_timeout
+    def install(cls, strategy, cluster, heartbeat_timeout, collective_timeout):
+        """Wrap ``sys.excepthook`` for as long as ``strategy`` lives."""
+        from tfdp.keras import adapter
+        cls.settings = (cluster, heartbeat_timeout, collective_timeout)
+        adapter.use(strategy, "peer_failure")
 
     def __call__(self, exc_type, exc, tb):
         self.previous(exc_type, exc, tb)

@@ -126,7 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume_metrics = None  # metric values to put back at the resumed epoch's start
         self._saved_metrics = []     # the metric values of the backup last restored
         self._next_read = None       # the input position of the backup being written
-        input_position.install()     # fit's epoch iterators must be tracked from the first fit
+        input_position.install(self)  # fit's epoch iterators tracked while this callback lives
 
     # --- position -------------------------------------------------------------------------
 

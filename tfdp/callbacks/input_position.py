@@ -24,6 +24,10 @@ are global (the same step on every worker).
 The resumed epoch is shortened to its remaining steps through the epoch iterator's own
 counters (Keras's batch indices in that epoch then start at 0; ``BackupAndRestore`` adds the
 offset). The Keras internals involved are listed in ``tfdp/compat/``.
+
+The two epoch-iterator hooks are the adapter's ``input_position`` set (``tfdp.keras.adapter``):
+in Keras while a ``tfdp.callbacks.BackupAndRestore`` lives (``install(callback)``, from its
+``__init__``: fit makes its epoch iterator before any callback runs), out once the last is gone.
 """
 
 from __future__ import annotations
@@ -37,8 +41,6 @@ from tfdp import compat
 log = logging.getLogger("tfdp")
 
 _local = threading.local()
-_install_lock = threading.Lock()
-_installed = False
 _UNSET = object()
 
 
@@ -259,15 +261,14 @@ def _get_iterator(original):
     return _get_iterator
 
 
-def install() -> None:
-    """Install the epoch-iterator hooks into Keras (idempotent; inert until a tfdp
-    BackupAndRestore claims a fit's input)."""
-    global _installed
-    with _install_lock:
-        if not _installed:
-            compat.wrap_keras_callbacks({"epoch_iterator_init": _init,
-                                         "epoch_iterator_get_iterator": _get_iterator})
-            _installed = True
+HOOKS = {"epoch_iterator_init": _init, "epoch_iterator_get_iterator": _get_iterator}
+
+
+def install(callback) -> None:
+    """Put the epoch-iterator hooks into Keras for as long as ``callback`` lives (inert until a
+    tfdp BackupAndRestore claims a fit's input)."""
+    from tfdp.keras import adapter
+    adapter.use(callback, "input_position")
 
 
 def claim(model):
@@ -285,5 +286,5 @@ def claim(model):
     return tracker
 
 
-__all__ = ["InputTracker", "claim", "install", "needs_iterator_replay", "not_exact_reasons",
+__all__ = ["HOOKS", "InputTracker", "claim", "install", "needs_iterator_replay", "not_exact_reasons",
            "positionable"]

@@ -7,9 +7,10 @@ same moment, and the run dies with ``BlockingIOError: unable to lock file`` (h5p
 ``FileExistsError``, and at the end every worker deletes the backup directory (the same happens
 under ``tf.distribute.MultiWorkerMirroredStrategy``).
 
-``install(strategy)`` (called by every multi-worker tfdp strategy when it is created; idempotent;
-nothing happens with one worker) wraps where those callbacks write
-(``tfdp/compat/`` lists the Keras internals):
+``install(strategy)`` (called by every multi-worker tfdp strategy when it is created; nothing
+happens with one worker) wraps where those callbacks write, for as long as that strategy lives
+(the adapter's ``shared_files`` set, ``tfdp.keras.adapter``; ``tfdp/compat/`` lists the Keras
+internals):
 
 * ``BackupAndRestore`` and ``ModelCheckpoint``: a worker that is not the chief still runs the
   whole save (the same code on every worker keeps any collective a save may run in step), but
@@ -20,8 +21,8 @@ nothing happens with one worker) wraps where those callbacks write
 * ``CSVLogger``: a worker that is not the chief logs to ``os.devnull``.
 
 Which worker is the chief comes from ``tfdp.strategy.worker_role`` of the callback's model's
-strategy at the moment it writes (``MultiWorkerMirroredStrategy`` included, once a multi-worker
-tfdp strategy installed the hooks in the process). Single-worker runs are never affected.
+strategy at the moment it writes (``MultiWorkerMirroredStrategy`` included, while a multi-worker
+tfdp strategy lives in the process). Single-worker runs are never affected.
 """
 
 from __future__ import annotations
@@ -29,14 +30,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 
 from tfdp import compat
 from tfdp.strategy.role import worker_role
-
-_lock = threading.Lock()
-_installed = False
-
 
 def _role(callback):
     model = getattr(callback, "model", None)
@@ -96,23 +92,22 @@ def _csv_train_begin(original):
     return on_train_begin
 
 
+HOOKS = {"backup_save": _backup_save, "backup_train_end": _backup_train_end,
+         "checkpoint_save": _checkpoint_save, "csv_train_begin": _csv_train_begin}
+
+
 def install(strategy) -> None:
-    """Make Keras's file-writing callbacks safe under ``strategy`` (idempotent; only when
+    """Make Keras's file-writing callbacks safe for as long as ``strategy`` lives (only when
     ``strategy`` has several workers)."""
-    global _installed
-    if worker_role(strategy).count < 2:
-        return
-    with _lock:
-        if not _installed:
-            compat.wrap_keras_callbacks({"backup_save": _backup_save,
-                                         "backup_train_end": _backup_train_end,
-                                         "checkpoint_save": _checkpoint_save,
-                                         "csv_train_begin": _csv_train_begin})
-            _installed = True
+    from tfdp.keras import adapter
+    if worker_role(strategy).count >= 2:
+        adapter.use(strategy, "shared_files")
 
 
 def installed() -> bool:
-    return _installed
+    """Whether the hooks are in Keras now."""
+    from tfdp.keras import adapter
+    return adapter.users("shared_files") > 0
 
 
-__all__ = ["install", "installed"]
+__all__ = ["HOOKS", "install", "installed"]

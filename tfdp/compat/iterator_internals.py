@@ -44,7 +44,8 @@ from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
 _local = threading.local()
 _lock = threading.Lock()
 _functions = {}  # (devices, source, element spec, shard) -> _DeviceFunctions, or None: unusable
-_installed = False
+_hook_lock = threading.Lock()
+_users = 0  # threads inside cached_multi_device_iterators (TF's factory wrapped while > 0)
 
 
 class _DeviceFunctions:
@@ -300,32 +301,46 @@ def cached_multi_device_iterators(release_in_background=False, lazy=False):
     """Inside: the iterators a distributed dataset makes eagerly in this thread are
     ``CachedMultiDeviceIterator`` s (made lazily, released in the background thread, if
     asked)."""
-    _install()
     saved = getattr(_local, "settings", None)
     _local.settings = {"release_in_background": bool(release_in_background), "lazy": bool(lazy)}
     try:
-        yield
+        with _installed_while_inside():
+            yield
     finally:
         _local.settings = saved
 
 
-def _install():
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        cls = _input_lib._SingleWorkerOwnedDatasetIterator
-        original = cls._create_owned_multi_device_iterator
+def _iterator_hook(original):
+    def _create_owned_multi_device_iterator(self):
+        settings = getattr(_local, "settings", None)
+        if settings is None or _ops.inside_function():
+            return original(self)
+        return _create_cached(self, **settings)
+    return _create_owned_multi_device_iterator
 
-        def _create_owned_multi_device_iterator(self):
-            settings = getattr(_local, "settings", None)
-            if settings is None or _ops.inside_function():
-                return original(self)
-            return _create_cached(self, **settings)
 
-        _create_owned_multi_device_iterator.tfdp_original = original
-        cls._create_owned_multi_device_iterator = _create_owned_multi_device_iterator
-        _installed = True
+_POINTS = {"iterator": (_input_lib._SingleWorkerOwnedDatasetIterator,
+                        "_create_owned_multi_device_iterator")}
+_MARKER = "__tfdp_iterator_original__"
+
+
+@contextlib.contextmanager
+def _installed_while_inside():
+    """TF's factory wrapped while some thread is inside ``cached_multi_device_iterators``, and
+    TF's own again after (``wrap`` / ``unwrap``)."""
+    from tfdp.compat.keras_internals import unwrap, wrap
+    global _users
+    with _hook_lock:
+        if not _users:
+            wrap(_POINTS, {"iterator": _iterator_hook}, _MARKER)
+        _users += 1
+    try:
+        yield
+    finally:
+        with _hook_lock:
+            _users -= 1
+            if not _users:
+                unwrap(_POINTS, ["iterator"], _MARKER)
 
 
 def _create_cached(worker_iterator, release_in_background, lazy):

@@ -86,30 +86,108 @@ def keras_builtin_train_step():
 
 
 _TFDP_ORIGINAL = "__tfdp_original__"
+_LAYER = "__tfdp_layer__"          # the marker of the wrapper it is set on (wrappers stack)
+_MAKE = "__tfdp_make__"            # the ``make`` that built it (to rebuild the layers above)
+_INHERITED = "__tfdp_inherited__"  # the owner held no value of its own before (class, instance)
+
+
+def _stored(owner, attr):
+    """(the value as stored, whether ``owner``'s own namespace holds it): for a class, the raw
+    entry of the first class in its MRO that defines it (no descriptor binding); for a module,
+    its global; for an instance, its own attribute, else the bound method from its class."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in vars(klass):
+                return vars(klass)[attr], klass is owner
+        raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
+    own = getattr(owner, "__dict__", None)
+    if own is not None and attr in own:
+        return own[attr], True
+    return getattr(owner, attr), False
+
+
+def _layer(current, make, marker, inherited):
+    replacement = functools.wraps(current)(make(current))
+    setattr(replacement, marker, current)
+    setattr(replacement, _LAYER, marker)
+    setattr(replacement, _MAKE, make)
+    setattr(replacement, _INHERITED, inherited)
+    return replacement
 
 
 def wrap(points, hooks, marker=_TFDP_ORIGINAL) -> None:
     """Install ``hooks`` ({name: make(original) -> replacement}) at ``points`` ({name: (owner,
-    attribute)}: a class or a module). The one wrapping mechanism of tfdp.
+    attribute)}: a class, a module or an instance). The one wrapping mechanism of tfdp; ``unwrap``
+    takes a hook out again.
 
     Idempotent: a point already wrapped (its current value carries ``marker``) keeps its wrapper.
     Each replacement keeps the original under ``marker`` and must call it whenever tfdp is not
-    involved. Subsystems that may wrap the same point pass their own ``marker``.
+    involved. Subsystems that may wrap the same point pass their own ``marker`` (their wrappers
+    then stack, each removable on its own).
     """
     for name, make in hooks.items():
         owner, attr = points[name]
-        current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if getattr(current, marker, None) is not None:
+        current, own = _stored(owner, attr)
+        if _find(current, marker) is not None:
             continue
-        replacement = functools.wraps(current)(make(current))
-        setattr(replacement, marker, current)
-        setattr(owner, attr, replacement)
+        setattr(owner, attr, _layer(current, make, marker, inherited=not own))
+
+
+def _find(value, marker):
+    """The wrapper layer carrying ``marker`` in the stack of tfdp wrappers ``value`` tops, or
+    None."""
+    while True:
+        layer = getattr(value, _LAYER, None)
+        if not isinstance(layer, str):
+            return None
+        if layer == marker:
+            return value
+        value = getattr(value, layer)
+
+
+def unwrap(points, names, marker=_TFDP_ORIGINAL) -> None:
+    """Take the hooks ``names`` (wrapped with ``marker``) out of ``points`` again: the original
+    goes back exactly (``setattr(owner, attr, original)``, or the owner's own entry is deleted
+    when the original was inherited); wrappers of other markers stacked above are rebuilt on
+    what remains. A point not wrapped with ``marker`` is left alone."""
+    for name in names:
+        owner, attr = points[name]
+        try:
+            current, own = _stored(owner, attr)
+        except AttributeError:
+            continue
+        if not own or _find(current, marker) is None:
+            continue
+        above, value = [], current
+        while getattr(value, _LAYER) != marker:
+            above.append(value)
+            value = getattr(value, getattr(value, _LAYER))
+        restored, inherited = getattr(value, marker), getattr(value, _INHERITED, False)
+        if not above and inherited:
+            delattr(owner, attr)  # (the original is the class's again)
+            continue
+        for layer in reversed(above):  # rebuild the other subsystems' wrappers, innermost first
+            restored = _layer(restored, getattr(layer, _MAKE), getattr(layer, _LAYER), inherited)
+            inherited = False
+        setattr(owner, attr, restored)
+
+
+def wrapped(points, marker=_TFDP_ORIGINAL) -> list[str]:
+    """The names of ``points`` that carry a wrapper with ``marker`` now."""
+    out = []
+    for name, (owner, attr) in points.items():
+        try:
+            current, _ = _stored(owner, attr)
+        except AttributeError:
+            continue
+        if _find(current, marker) is not None:
+            out.append(name)
+    return out
 
 
 def wrap_keras(hooks) -> None:
     """``wrap`` at ``keras_hook_points()`` (the gradient path)."""
     wrap(keras_hook_points(), hooks)
-
 
 
 def keras_epoch_iterator_element_spec(iterator):

@@ -72,8 +72,15 @@ def collective_server_started() -> bool:
             or getattr(ctx, "_server_def", None) is not None)
 
 
-def alias_former_local_devices(job: str, task: int) -> bool:
-    """After a late collective start: make device names of the runtime's former local devices
+def eager_context():
+    """TensorFlow's eager context (the object whose ``device`` ``tf.device`` calls)."""
+    return _context.context()
+
+
+def former_local_device_alias(job: str, task: int):
+    """After a late collective start: ``make(device) -> replacement`` for the eager context's
+    ``device`` (installed on the context instance by ``tfdp.keras.adapter.use_device_alias``),
+    making device names of the runtime's former local devices
     (``/job:localhost/replica:0/task:0/device:X:i``) mean this task's (``/job:<job>/replica:0/
     task:<task>/device:X:i``) in eager device scopes.
 
@@ -88,30 +95,24 @@ def alias_former_local_devices(job: str, task: int) -> bool:
     devices are the same: same process, same index); any other name passes unchanged. Inside
     ``tf.function`` a stale name is only a placement request that soft placement relaxes.
     Variables made before stay on the old devices (no longer local): they cannot be used.
-    Idempotent; returns True when installed now.
     """
-    ctx = _context.context()
-    if "device" in vars(ctx):
-        return False
-    method = type(ctx).device
-
-    def device(name):
-        if isinstance(name, tf.config.LogicalDevice):
-            name = name.name
-        elif isinstance(name, tf.DeviceSpec):
-            name = name.to_string()
-        if isinstance(name, str) and "localhost" in name:
-            try:
-                spec = tf.DeviceSpec.from_string(name)
-            except (ValueError, TypeError):
-                spec = None
-            if (spec is not None and spec.job == "localhost" and spec.replica in (None, 0)
-                    and spec.task in (None, 0)):
-                name = spec.replace(job=job, replica=0, task=task).to_string()
-        return method(ctx, name)
-
-    ctx.device = device
-    return True
+    def make(method):  # (method: the context's bound ``device``)
+        def device(name):
+            if isinstance(name, tf.config.LogicalDevice):
+                name = name.name
+            elif isinstance(name, tf.DeviceSpec):
+                name = name.to_string()
+            if isinstance(name, str) and "localhost" in name:
+                try:
+                    spec = tf.DeviceSpec.from_string(name)
+                except (ValueError, TypeError):
+                    spec = None
+                if (spec is not None and spec.job == "localhost" and spec.replica in (None, 0)
+                        and spec.task in (None, 0)):
+                    name = spec.replace(job=job, replica=0, task=task).to_string()
+            return method(name)
+        return device
+    return make
 
 
 MirroredExtended = _mirrored_strategy.MirroredExtended

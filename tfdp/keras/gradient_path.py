@@ -37,9 +37,10 @@ installed Keras, in ``tfdp.compat.keras_hook_points``):
    where a collective would have to sit inside the compiled step, one clear error.
 
 A step is one ``strategy.run`` call (Keras's train/test/predict steps, or a custom loop's), with
-one replica per local device; ``Step`` holds what the hooks need while its replica functions are
-traced. Outside a tfdp step (no strategy, another strategy, one replica) every hook calls Keras's
-own code unchanged.
+one replica per local device; its ``StepContext`` (``tfdp.keras.step``) holds what the hooks need
+while its replica functions are traced. Outside a tfdp step (no strategy, another strategy, one
+replica) every hook calls Keras's own code unchanged. The hooks are in Keras only while a tfdp
+strategy lives (``tfdp.keras.adapter``: sets ``gradient_path`` and ``perf``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp.keras import losses
-from tfdp.keras.step import Step, current_step  # noqa: F401 (the strategy's names)
+from tfdp.keras.step import StepContext, is_tfdp, running  # noqa: F401 (the strategy's names)
 from tfdp.keras.step import current as _current
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -154,7 +155,7 @@ def _apply(original):
                 grads = zero_if_empty(grads, step.masks[replica])
             # Keras's accumulation puts its update (merge_calls, all-reduce) in a tf.cond:
             # replica-context collectives only, for the duration of this apply.
-            with extended.replica_collectives():
+            with step.replica_collectives():
                 return original(self, grads, trainable_variables)
         finally:
             del step.applies[replica]
@@ -214,7 +215,8 @@ def scatters_sparse_gradients(optimizer) -> bool:
 def _sgd_build(original):
     def build(self, variables):
         out = original(self, variables)
-        if scatters_sparse_gradients(self):
+        if (tf.distribute.has_strategy() and is_tfdp(tf.distribute.get_strategy().extended)
+                and scatters_sparse_gradients(self)):  # (built under a tfdp strategy only)
             for v in variables:
                 _row_updated[id(v)] = v
         return out
@@ -265,7 +267,7 @@ def _symbolic_build(original):
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = getattr(self, "_distribute_strategy", None)
         if (iterator is not None and data_batch is None
-                and hasattr(getattr(strategy, "extended", None), "tfdp_step")):
+                and is_tfdp(getattr(strategy, "extended", None))):
             # Build from the element spec: no batch is taken (a one-shot generator would lose
             # what Keras's throw-away iterator read ahead) and no uneven batch is reduced.
             spec = tfp.keras_epoch_iterator_element_spec(iterator)
@@ -293,17 +295,17 @@ class _ReplicaXlaStep:
         self.applies = {}   # local replica id -> [(optimizer, n_grads, variables)]
 
     def __call__(self, data):
-        extended, step, replica = _current()
+        _, step, replica = _current()
         fn = self.compiled.get(replica)
         if fn is None:
             fn = self.compiled[replica] = tf.function(
                 lambda d, r=replica: self._compiled_body(d, r), jit_compile=True,
                 reduce_retracing=True)
-        extended.tfdp_xla_refusal = None
+        step.xla_refusal = None
         try:
             logs, grads = fn(data)
         except Exception:
-            refusal = extended.tfdp_xla_refusal
+            refusal = step.xla_refusal
             if refusal is not None:  # (autograph wrapped it in StagingError and annotated it)
                 raise type(refusal)(*refusal.args) from None
             raise
@@ -328,7 +330,7 @@ def _make_function(original):
     def make_function(self, step_function):
         strategy = self.distribute_strategy
         extended = getattr(strategy, "extended", None)
-        if not hasattr(extended, "tfdp_step"):
+        if not is_tfdp(extended):
             return original(self, step_function)
         if not (self.jit_compile and not extended.whole_step_xla_possible()):
             return original(self, losses.keras_step(step_function))
@@ -360,23 +362,38 @@ _installed = False
 _install_lock = threading.Lock()
 
 
+def check_keras() -> None:
+    """Refuse a Keras whose metric variables are sync-on-write (one clear error)."""
+    if not tfp.keras_metric_variables_sync_on_read():
+        import keras
+        from tfdp.errors import TfdpError, message
+        raise TfdpError(message(
+            "This Keras creates metric variables sync-on-write (Keras before 3.10), "
+            "which tfdp does not support: metrics and losses would differ from one device",
+            f"keras=={keras.__version__}",
+            'Install a supported Keras: pip install "keras>=3.12,<3.16".'))
+
+
 def install() -> None:
-    """Install the hooks into Keras (idempotent; called by every tfdp strategy's constructor)."""
+    """Put the gradient path's hooks into Keras (idempotent). Called by the adapter
+    (``tfdp.keras.adapter``, set ``gradient_path``) when the first tfdp strategy is created."""
     global _installed
     with _install_lock:
         if not _installed:
-            if not tfp.keras_metric_variables_sync_on_read():
-                import keras
-                from tfdp.errors import TfdpError, message
-                raise TfdpError(message(
-                    "This Keras creates metric variables sync-on-write (Keras before 3.10), "
-                    "which tfdp does not support: metrics and losses would differ from one device",
-                    f"keras=={keras.__version__}",
-                    'Install a supported Keras: pip install "keras>=3.12,<3.16".'))
-            tfp.wrap_keras(_HOOKS)
-            tfp.wrap_keras_perf(_PERF_HOOKS)
+            check_keras()
+            tfp.wrap(tfp.keras_hook_points(), _HOOKS)
             _installed = True
 
 
-__all__ = ["Step", "install", "current_step", "reduce_gradients", "in_keras_symbolic_build",
-           "accumulation_steps", "linear_in_gradient", "keras_table_reads"]
+def remove() -> None:
+    """Take the gradient path's hooks out of Keras (Keras's own functions back exactly). Called
+    by the adapter when the last tfdp strategy is gone."""
+    global _installed
+    with _install_lock:
+        tfp.unwrap(tfp.keras_hook_points(), list(_HOOKS))
+        _installed = False
+
+
+__all__ = ["StepContext", "install", "remove", "running", "reduce_gradients",
+           "in_keras_symbolic_build", "accumulation_steps", "linear_in_gradient",
+           "keras_table_reads", "check_keras"]

@@ -1,9 +1,10 @@
-"""One ``strategy.run`` of a tfdp strategy as the Keras hooks see it: the ``Step`` and where the
-calling replica stands in it (``current``).
+"""One ``strategy.run`` of a tfdp strategy as the Keras hooks see it: its ``StepContext`` and
+where the calling replica stands in it (``current``).
 
-The strategy (``tfdp.strategy.extended``) makes a ``Step`` for every ``strategy.run`` and makes it
-current while the replica functions are traced; the gradient path (``gradient_path``) and the
-loss semantics (``losses``) read it from inside the replica functions.
+The strategy (``tfdp.strategy.extended``) makes a ``StepContext`` for every ``strategy.run`` and
+makes it current (``running``: the extended's one attribute ``tfdp_context``) while the replica
+functions are traced; the gradient path (``gradient_path``), the loss semantics (``losses``) and
+the strategy's own replica-context paths read every piece of the step's state from it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import tensorflow as tf
 from tfdp import compat as tfp
 
 
-class Step:
-    """One ``strategy.run`` call while it is traced (or run eagerly).
+class StepContext:
+    """One ``strategy.run`` call while it is traced (or run eagerly): all of the step's state.
 
     Attributes:
       shares: per local replica, ``n_r / sum(n)`` as a float32 scalar tensor (None: no batch was
@@ -46,6 +47,17 @@ class Step:
         self.optimizers: list = []
         self.keras_steps: set[int] = set()
         self.weighted: dict[int, set] = {}
+        self.no_merge = 0
+        self.xla_refusal = None
+
+    @contextlib.contextmanager
+    def replica_collectives(self):
+        """Reduce from the replica contexts (no merge_call) while inside."""
+        self.no_merge += 1
+        try:
+            yield
+        finally:
+            self.no_merge -= 1
 
 
 @tf.autograph.experimental.do_not_convert  # (called from tfdp's per-replica XLA step)
@@ -57,20 +69,25 @@ def current():
     if ctx is None:
         return None
     extended = ctx.strategy.extended
-    step = getattr(extended, "tfdp_step", None)
+    step = getattr(extended, "tfdp_context", None)
     if step is None:
         return None
     return extended, step, tfp.current_replica_id()
 
 
+def is_tfdp(extended) -> bool:
+    """Whether ``extended`` is a tfdp strategy's (it has a ``tfdp_context`` slot)."""
+    return hasattr(extended, "tfdp_context")
+
+
 @contextlib.contextmanager
-def current_step(extended, step):
-    """Make ``step`` the extended's current step for the duration of a strategy.run."""
-    extended.tfdp_step = step
+def running(extended, context):
+    """Make ``context`` the extended's current step for the duration of a strategy.run."""
+    extended.tfdp_context = context
     try:
-        yield step
+        yield context
     finally:
-        extended.tfdp_step = None
+        extended.tfdp_context = None
 
 
-__all__ = ["Step", "current", "current_step"]
+__all__ = ["StepContext", "current", "is_tfdp", "running"]

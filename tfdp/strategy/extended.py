@@ -6,7 +6,7 @@ strategy alike:
 * ``all_reduce_gradients``: the one gradient reduction the gradient path
   (``tfdp.keras.gradient_path``) calls when an optimizer applies: one batched merge_call through
   tfdp's reducer, or replica-context collectives inside Keras's accumulation branch.
-* ``_call_for_each_replica``: each ``strategy.run`` gets a ``gradient_path.Step`` with every
+* ``_call_for_each_replica``: each ``strategy.run`` gets a ``StepContext`` with every
   replica's share of the global batch (``n_r / sum(n)``), empty replicas padded with one example
   of share 0, and after a training step the BatchNorm statistics averaged (mirrored stays
   mirrored).
@@ -16,14 +16,13 @@ strategy alike:
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
-from tfdp.keras import gradient_path
+from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
 
 
@@ -43,16 +42,15 @@ class DataParallelExtendedBase:
     def __init__(self, container_strategy, settings, devices, cluster):
         self.tfdp_settings = settings          # a tfdp.strategy.settings.Settings
         self._tfdp_requested_devices = devices  # the user's device list (None: the default)
-        self.tfdp_step = None  # a gradient_path.Step while a strategy.run is traced
-        self._tfdp_no_merge = 0  # > 0: replica-context collectives only (no merge_call)
+        self.tfdp_context = None  # the StepContext of the strategy.run being traced (keras.step)
         self._tfdp_replica_reduce = None
         self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
         self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
         self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
-        self.tfdp_xla_refusal = None  # the error refuse_xla raised (autograph wraps it)
         self.tfdp_choice = None  # the algorithm chosen (tfdp.reduce.registry.Choice)
         self._tfdp_reduce = self._init_tf_extended(container_strategy, cluster)
-        gradient_path.install()
+        # tfdp's hooks in Keras while this strategy lives (tfdp.keras.adapter)
+        adapter.use(container_strategy, *adapter.STRATEGY_SETS)
         self._replica_reducer()  # now, outside any strategy scope (it creates variables)
 
     def _init_tf_extended(self, container_strategy, cluster):
@@ -78,10 +76,10 @@ class DataParallelExtendedBase:
         One batched reduction through tfdp's reducer (``merge_call``), or, inside Keras's
         gradient-accumulation branch, replica-context collectives.
         """
-        step = self.tfdp_step
+        step = self.tfdp_context
         masks = None if step is None else step.masks
         self._tfdp_reduce.densify_ok = densify_ok
-        if self._tfdp_no_merge and not tf.executing_eagerly():
+        if self._replica_collectives_only() and not tf.executing_eagerly():
             # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
             return self._replica_reducer().all_reduce(
                 tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
@@ -106,7 +104,7 @@ class DataParallelExtendedBase:
     # --- one strategy.run: replica shares for Keras's losses, then layer-state sync ----------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if self.tfdp_step is not None:
+        if self.tfdp_context is not None:
             # nested: a merge_call's call_for_each_replica (e.g. LossScaleOptimizer's)
             return self._run_replicas(fn, args, kwargs)
         replicas = len(self.worker_devices) * self._num_workers_in_job()
@@ -114,12 +112,12 @@ class DataParallelExtendedBase:
             self._check_xla_possible()
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
-        step = gradient_path.Step(shares)
+        step = gradient_path.StepContext(shares)
         if shares is not None and not tf.executing_eagerly():
             args, step.padded = self._pad_empty_replicas(args, step.live)
             if step.padded:
                 saved = self._read_on_read_state()
-        with gradient_path.current_step(self, step):
+        with gradient_path.running(self, step):
             result = self._run_replicas(fn, args, kwargs)
         if step.padded:
             self._restore_on_read_state(saved, step.live)
@@ -219,7 +217,7 @@ class DataParallelExtendedBase:
     def refuse_xla(self, what):
         from tfdp.errors import TfdpError, message
         devices = [devices_lib.short_name(d) for d in self.worker_devices]
-        self.tfdp_xla_refusal = TfdpError(message(
+        error = TfdpError(message(
             f"jit_compile=True cannot run here: XLA cannot compile collective ops for CPU "
             f"devices (TensorFlow: 'Collectives are not yet implemented for CPU devices when "
             f"compiling with XLA'), and {what} needs one inside the compiled step",
@@ -228,10 +226,12 @@ class DataParallelExtendedBase:
             "Fix: compile with jit_compile=False, or leave Keras's default jit_compile='auto' "
             "(it resolves to False here); with Keras's own train_step, plain BatchNorm and no "
             "wrapping tf.function, tfdp compiles each replica's step."))
-        raise self.tfdp_xla_refusal
+        if self.tfdp_context is not None:  # (autograph wraps it; the XLA step raises it as is)
+            self.tfdp_context.xla_refusal = error
+        raise error
 
     def _refuse_all_reduce_in_xla(self):
-        if self.tfdp_step is not None and self.tfdp_step.deferred:
+        if self.tfdp_context is not None and self.tfdp_context.deferred:
             self.refuse_xla("a replica-context all-reduce in the step (e.g. "
                             "BatchNormalization(synchronized=True))")
 
@@ -268,23 +268,19 @@ class DataParallelExtendedBase:
 
     # --- replica-context collectives (gradient accumulation) ---------------------------------
 
-    @contextlib.contextmanager
-    def replica_collectives(self):
-        """Reduce from the replica contexts (no merge_call) while inside: Keras's accumulation
-        all-reduces inside a tf.cond, where merge_call is refused."""
-        self._tfdp_no_merge += 1
-        try:
-            yield
-        finally:
-            self._tfdp_no_merge -= 1
+    def _replica_collectives_only(self) -> bool:
+        """Inside Keras's accumulation branch (a tf.cond, where merge_call is refused: the
+        step's ``replica_collectives()``): reduce from the replica contexts."""
+        return self.tfdp_context is not None and self.tfdp_context.no_merge > 0
 
     def _use_merge_call(self):
-        if self._tfdp_no_merge or (self.tfdp_step is not None and self.tfdp_step.deferred):
+        step = self.tfdp_context
+        if step is not None and (step.no_merge or step.deferred):
             return False  # (inside an XLA-compiled replica step: no merge_call can run there)
         return super()._use_merge_call()
 
     def _get_cross_device_ops(self, value):
-        if self._tfdp_no_merge:  # (MirroredExtended would switch to its XLA collectives here)
+        if self._replica_collectives_only():  # (MirroredExtended would switch to its XLA ones)
             return self._tfdp_reduce
         return super()._get_cross_device_ops(value)
 
@@ -299,7 +295,7 @@ class DataParallelExtendedBase:
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         self._refuse_all_reduce_in_xla()
-        if not self._tfdp_no_merge or tf.executing_eagerly():
+        if not self._replica_collectives_only() or tf.executing_eagerly():
             return super()._replica_ctx_all_reduce(reduce_op, value, options)
         replica_id = tfp.current_replica_id()
         flat = tf.nest.flatten(value)
@@ -318,7 +314,7 @@ class DataParallelExtendedBase:
         if zero is None:
             from tfdp.zero import hooks
             from tfdp.zero.state import ZeroState
-            hooks.install()
+            hooks.install(self._container_strategy())
             zero = self.__dict__["_tfdp_zero_state"] = ZeroState(self, stage)
         return zero
 
@@ -424,7 +420,7 @@ class DataParallelExtendedBase:
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         value_destination_pairs = [(v, self._fill_destinations(v, d))
                                    for v, d in value_destination_pairs]
-        step = self.tfdp_step
+        step = self.tfdp_context
         if (step is not None and step.padded and step.masks is not None
                 and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
                 == tf.distribute.ReduceOp.SUM):

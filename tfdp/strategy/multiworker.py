@@ -103,7 +103,9 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
         if late:
             # The runtime started before (a dataset, tensor or op came first): its local devices
             # were just renamed to this task's. Keep what was built before usable.
-            tfp.alias_former_local_devices(self._task_type, self._task_id)
+            from tfdp.keras import adapter  # (Context.device, while this strategy lives)
+            adapter.use_device_alias(container_strategy, tfp.former_local_device_alias(
+                self._task_type, self._task_id))
             _warn_variables_made_before()
         devs = list(self.worker_devices)
         choice = self._choose(devs)
@@ -164,11 +166,11 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
     # tfdp's reduction needs all local values at once: go through merge_call, except in the
     # replica-context path of gradient accumulation (strategy._DataParallelExtended).
     def _use_merge_call(self):
-        return not self._tfdp_no_merge
+        return not self._replica_collectives_only()
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         self._refuse_all_reduce_in_xla()
-        if self._tfdp_no_merge and not tf.executing_eagerly():
+        if self._replica_collectives_only() and not tf.executing_eagerly():
             return DataParallelExtendedBase._replica_ctx_all_reduce(
                 self, reduce_op, value, options)
         return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
@@ -341,7 +343,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
             cluster = _resolve_cluster(cluster_resolver)
         cluster = _check_cluster(cluster)
         _prepare_cpu_replicas(devices)
-        failures.PeerFailureHook.install(cluster, settings.heartbeat_timeout,
+        failures.PeerFailureHook.install(self, cluster, settings.heartbeat_timeout,
                                          settings.collective_timeout)
         return cluster
 

@@ -1,4 +1,5 @@
-"""Keras hooks of sharded optimizer state (installed by the first strategy with zero_stage > 0).
+"""Keras hooks of sharded optimizer state (the adapter's ``zero`` set: in Keras while a strategy
+with zero_stage > 0 that has used it lives; ``tfdp.keras.adapter``).
 
 * ``BaseOptimizer.build``: the owner plan (``ZeroState.plan``) before the optimizer creates its
   slots (every Keras optimizer's ``build`` calls it first).
@@ -11,8 +12,6 @@ Each hook does nothing outside a tfdp strategy with zero_stage > 0.
 """
 
 from __future__ import annotations
-
-import threading
 
 import tensorflow as tf
 
@@ -60,19 +59,14 @@ def _apply(original):
     return apply
 
 
-_HOOKS = {"build": _build, "backend_apply_gradients": _backend_apply_gradients,
-          "apply": _apply, "loss_scale_apply": _apply}
-_installed = False
-_lock = threading.Lock()
+HOOKS = {"build": _build, "backend_apply_gradients": _backend_apply_gradients,
+         "apply": _apply, "loss_scale_apply": _apply}  # (at compat.keras_zero_hook_points)
 
 
-def install() -> None:
-    """Install the hooks into Keras (idempotent)."""
-    global _installed
-    with _lock:
-        if not _installed:
-            tfp.wrap_keras_zero(_HOOKS)
-            _installed = True
+def install(strategy) -> None:
+    """Put the hooks into Keras for as long as ``strategy`` lives (the adapter counts users)."""
+    from tfdp.keras import adapter
+    adapter.use(strategy, "zero")
 
 
 __all__ = ["current_zero", "install"]

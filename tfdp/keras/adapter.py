@@ -1,0 +1,253 @@
+"""tfdp's Keras adapter: every hook tfdp puts into Keras (and TensorFlow, and Python's
+``sys.excepthook``), in one table, present only while something of tfdp uses it.
+
+A hook set is a group of wrappers (``tfdp.compat.wrap``; ``tfdp.compat.unwrap`` takes them out
+and puts Keras's own functions back exactly). Each set is counted by its users, weakly held
+objects: ``use(owner, *sets)`` installs the sets the first user needs, and they are removed when
+the last user is garbage-collected or released (``release(owner)``). Nothing of tfdp is in Keras
+in a process that imported tfdp without creating a strategy, or once its strategies are gone.
+
+========================  ========================================  ==============================
+set                       what it wraps                             used by
+========================  ========================================  ==============================
+``gradient_path``         loss scale/unscale, reduce_weighted_      every tfdp strategy
+                          values, Mean.update_state, GradientTape.
+                          gradient, optimizer apply (also the loss-
+                          scale wrapper's), _clip_gradients,
+                          _all_reduce_sum_gradients,
+                          _maybe_symbolic_build, _make_function
+                          (``tfdp.keras.gradient_path``, ``losses``)
+``perf``                  Keras's TF ``take``, ``SGD.build``        every tfdp strategy
+                          (sparse embedding reads)
+``zero``                  optimizer build, _backend_apply_          a strategy with zero_stage
+                          gradients, apply (``tfdp.zero.hooks``)    (from its first use)
+``input_position``        TFEpochIterator __init__ / _get_iterator  tfdp's BackupAndRestore
+                          (``tfdp.callbacks.input_position``)       callback, while it lives
+``shared_files``          Keras's BackupAndRestore / Model-         a multi-worker strategy
+                          Checkpoint / CSVLogger writers
+                          (``tfdp.callbacks.shared_files``)
+``peer_failure``          ``sys.excepthook`` (``tfdp.failures``)    a multi-worker strategy
+``device_alias``          the eager context's ``device`` (former    a multi-worker strategy whose
+                          local device names, ``tfdp.compat.        collective runtime started
+                          former_local_device_alias``)              late
+========================  ========================================  ==============================
+
+Each wrapper calls Keras's own code whenever no tfdp step is involved (no strategy, another
+strategy, one replica), so a function Keras traced while a tfdp strategy existed and traces again
+later behaves as Keras's. Keras calls every wrapped point through its owner (a module global or a
+class attribute looked up at call time: ``loss_module.scale_loss_for_distribution``,
+``backend.numpy.take``, methods), so installing and removing reaches every caller.
+
+Finalizers may run inside any allocation (garbage collection): a release that finds the table
+busy is queued and done by the thread holding it, before it lets go.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+from tfdp import compat as tfp
+
+
+class HookSet:
+    """A group of wrappers at ``points()`` ({name: (owner, attribute)}) made by ``hooks()``
+    ({name: make(original) -> replacement}), under one ``marker``."""
+
+    def __init__(self, name, points, hooks, marker, install=None, remove=None):
+        self.name = name
+        self._points, self._hooks, self.marker = points, hooks, marker
+        self._install, self._remove = install, remove  # (a module's own install / remove)
+
+    def points(self):
+        return self._points()
+
+    def install(self) -> None:
+        if self._install is not None:
+            self._install()
+        else:
+            tfp.wrap(self._points(), self._hooks(), self.marker)
+
+    def remove(self) -> None:
+        if self._remove is not None:
+            self._remove()
+        else:
+            tfp.unwrap(self._points(), list(self._hooks()), self.marker)
+
+    def installed(self) -> list[str]:
+        """The names of this set's points that carry its wrapper now."""
+        return tfp.wrapped(self._points(), self.marker)
+
+
+def _gradient_path_hooks():
+    from tfdp.keras import gradient_path
+    return gradient_path._HOOKS  # pylint: disable=protected-access
+
+
+def _perf_hooks():
+    from tfdp.keras import gradient_path
+    return gradient_path._PERF_HOOKS  # pylint: disable=protected-access
+
+
+def _gradient_path_install():
+    from tfdp.keras import gradient_path
+    gradient_path.install()  # (refuses an unsupported Keras first)
+
+
+def _gradient_path_remove():
+    from tfdp.keras import gradient_path
+    gradient_path.remove()
+
+
+def _zero_hooks():
+    from tfdp.zero import hooks
+    return hooks.HOOKS
+
+
+def _input_position_hooks():
+    from tfdp.callbacks import input_position
+    return input_position.HOOKS
+
+
+def _shared_files_hooks():
+    from tfdp.callbacks import shared_files
+    return shared_files.HOOKS
+
+
+def _subset(points, names):
+    return lambda: {n: p for n, p in points().items() if n in names}
+
+
+def _peer_failure_points():
+    return {"excepthook": (sys, "excepthook")}
+
+
+def _peer_failure_hooks():
+    from tfdp import failures
+    return {"excepthook": failures.PeerFailureHook}
+
+
+_DEVICE_ALIAS = {}  # "device" -> the make() of the alias in force (set by use_device_alias)
+
+
+def _device_alias_points():
+    return {"device": (tfp.eager_context(), "device")}
+
+
+_CALLBACK_MARKER = "__tfdp_callbacks_original__"
+SETS = {s.name: s for s in (
+    HookSet("gradient_path", tfp.keras_hook_points, _gradient_path_hooks, "__tfdp_original__",
+            install=_gradient_path_install, remove=_gradient_path_remove),
+    HookSet("perf", tfp.keras_perf_hook_points, _perf_hooks, "__tfdp_original__"),
+    HookSet("zero", tfp.keras_zero_hook_points, _zero_hooks, "__tfdp_zero_original__"),
+    HookSet("input_position",
+            _subset(tfp.keras_callbacks_hook_points,
+                    ("epoch_iterator_init", "epoch_iterator_get_iterator")),
+            _input_position_hooks, _CALLBACK_MARKER),
+    HookSet("shared_files",
+            _subset(tfp.keras_callbacks_hook_points,
+                    ("backup_save", "backup_train_end", "checkpoint_save", "csv_train_begin")),
+            _shared_files_hooks, _CALLBACK_MARKER),
+    HookSet("peer_failure", _peer_failure_points, _peer_failure_hooks,
+            "__tfdp_peer_failure_original__"),
+    HookSet("device_alias", _device_alias_points, lambda: dict(_DEVICE_ALIAS),
+            "__tfdp_device_alias_original__"),
+)}
+STRATEGY_SETS = ("gradient_path", "perf")  # what every tfdp strategy uses
+
+_lock = threading.Lock()
+_users: dict[str, int] = {}   # set name -> live users
+_leases: dict[int, list] = {}  # id(owner) -> its weakref.finalize objects
+_pending: list = []           # releases queued while the table was busy
+
+
+def use(owner, *names) -> None:
+    """Install the hook sets ``names`` (those not installed yet) for as long as ``owner`` lives,
+    or until ``release(owner)``. A set that fails to install (e.g. an unsupported Keras) raises
+    and counts no user."""
+    for name in names:
+        if name not in SETS:
+            raise KeyError(f"no hook set {name!r} (known: {sorted(SETS)})")
+    with _lock:
+        counted = []
+        try:
+            for name in names:
+                if not _users.get(name):
+                    SETS[name].install()
+                _users[name] = _users.get(name, 0) + 1
+                counted.append(name)
+        except BaseException:
+            _release_now(counted)
+            raise
+        lease = weakref.finalize(owner, _release, tuple(names), id(owner))
+        lease.atexit = False  # (the process is ending: nothing to put back)
+        _leases.setdefault(id(owner), []).append(lease)
+    _drain()
+
+
+def release(owner) -> None:
+    """Release every hook set ``owner`` uses now (as its garbage collection would)."""
+    with _lock:
+        leases = list(_leases.get(id(owner), ()))
+    for lease in leases:
+        lease()
+
+
+def users(name) -> int:
+    """How many live users hold the hook set ``name``."""
+    return _users.get(name, 0)
+
+
+def installed() -> dict[str, list[str]]:
+    """{set: names of its points wrapped now} for every set with a wrapper in place."""
+    out = {}
+    for name, hook_set in SETS.items():
+        try:
+            names = hook_set.installed()
+        except Exception:  # noqa: BLE001 - (the eager context may not exist yet)
+            names = []
+        if names:
+            out[name] = names
+    return out
+
+
+def _release(names, owner_id) -> None:
+    _pending.append((names, owner_id))
+    _drain()
+
+
+def _drain() -> None:
+    while _pending:
+        if not _lock.acquire(blocking=False):
+            return  # the thread holding the table drains before it lets go (use's last line)
+        try:
+            while _pending:
+                names, owner_id = _pending.pop()
+                leases = _leases.get(owner_id)
+                if leases is not None:
+                    leases[:] = [lease for lease in leases if lease.alive]
+                    if not leases:
+                        del _leases[owner_id]
+                _release_now(names)
+        finally:
+            _lock.release()
+
+
+def _release_now(names) -> None:
+    for name in reversed(names):
+        _users[name] = _users.get(name, 0) - 1
+        if _users[name] <= 0:
+            _users.pop(name, None)
+            SETS[name].remove()
+
+
+def use_device_alias(owner, make) -> None:
+    """Install ``make`` (make(Context.device bound method) -> replacement) as the eager context's
+    ``device`` for as long as ``owner`` lives (``device_alias``; one alias per process)."""
+    _DEVICE_ALIAS["device"] = make
+    use(owner, "device_alias")
+
+
+__all__ = ["HookSet", "SETS", "STRATEGY_SETS", "installed", "release", "use",
+           "use_device_alias", "users"]
