@@ -80,6 +80,10 @@ def test_cpu_dry_run_runs_every_section(run_process, tmp_path):
     for contender in ("no strategy", "MirroredStrategy", "tfdp"):
         for label in (contender, contender + ", jit"):
             assert by["resnet50"][label].endswith(" images/s"), (label, by["resnet50"])
+    # sharded optimizer state (issue 20): zero_stage 0, 1, 2 train and report memory per device
+    assert set(by["zero"]) == {"workload", "zero_stage=0", "zero_stage=1", "zero_stage=2"}
+    for stage in (0, 1, 2):
+        assert by["zero"][f"zero_stage={stage}"].endswith(" images/s"), by["zero"]
     assert set(by["allreduce"]) == {"64K", "256K"}
     assert all(v.startswith("algbw ") for v in by["allreduce"].values())
     # the printed table has every section and the same rows
@@ -117,3 +121,16 @@ def test_a_failing_section_keeps_the_others(monkeypatch, cpu_devices):
     assert any(r[0] == "nccl" and r[1] == "auto on 2 logical" for r in result["rows"])
     text = gpu.format_gpu_check(result)
     assert "RuntimeError: boom" in text and "second line" not in text
+
+
+def test_zero_section_rows(cpu_devices):
+    """The zero section in this process on 2 CPU devices: a row per stage with images/s, the
+    optimizer-state bytes and the peak memory of each device (no timing assertions)."""
+    env = {"kind": "cpu", "logical": list(cpu_devices[:2]), "physical": 1, "memory_mb": None}
+    rows = gpu.section_zero(env, gpu.Budget(300), dry_run=True)
+    assert [r[1] for r in rows] == ["workload", "zero_stage=0", "zero_stage=1", "zero_stage=2"]
+    assert all(r[0] == "zero" for r in rows)
+    for _, item, result, detail in rows[1:]:
+        assert result.endswith(" images/s"), (item, result, detail)
+        assert "optimizer state per CPU: " in detail and "peak memory per CPU: " in detail
+    assert "x zero_stage=0" in rows[2][3] and "x zero_stage=0" in rows[3][3]

@@ -61,7 +61,8 @@ COMMANDS = {
                "inside a backup write, SIGTERM): trials passed, detection s, resume max |dw|"),
     "gpu": ("tfdp_bench.gpu",
             "one-shot GPU check (NCCL, 'auto', fit equivalence on 2 logical GPUs, ResNet-50\n"
-            "images/s, all-reduce GB/s); one line and exit 0 without a GPU; --cpu-dry-run"),
+            "images/s, zero_stage 0/1/2 images/s and memory per GPU, all-reduce GB/s); one\n"
+            "line and exit 0 without a GPU; --cpu-dry-run"),
     "zero": ("tfdp_bench.zero", "zero_stage vs unsharded: optimizer bytes/device, memory, speed"),
 }
 
