@@ -2,9 +2,9 @@
 
 * ``tf_internals.py``: tf.distribute internals (the extended classes tfdp subclasses, values,
   devices, NCCL), the eager context (late collective start, coordination heartbeats), tf.data.
-* ``keras_internals.py``: Keras 3's internals (hook points of the gradient path, the callbacks
-  and the fast paths) and ``wrap``, the one mechanism that wraps them.
-* ``profiler_internals.py``: what ``tfdp bench`` reads (MirroredStrategy's reduction, traces).
+* ``keras_internals.py``: Keras 3's internals (hook points of the gradient path, the callbacks,
+  the fast paths and sharded optimizer state) and ``wrap`` / ``unwrap``, the one mechanism that
+  wraps them (the hook sets, and when they are in Keras: ``tfdp.keras.adapter``).
 * ``iterator_internals.py``: the multi-device iterator of a distributed dataset, built with its
   per-device functions traced once (``tfdp.data._iterators``).
 * ``names.py``: the list of every private name (imports, calls, overridden hooks, wrapped
@@ -14,13 +14,13 @@
 
 Whatever must differ between supported versions lives here, keyed on features (``hasattr``, a
 failed import), never on version strings. ``from tfdp import compat as tfp`` gives every helper
-as an attribute (``tfp.MirroredExtended``, ``tfp.wrap_keras``, ...), loaded when first used.
+as an attribute (``tfp.MirroredExtended``, ``tfp.wrap``, ...), loaded when first used.
 """
 
 import importlib
 
 _SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
-               "tfdp.compat.profiler_internals", "tfdp.compat.iterator_internals")
+               "tfdp.compat.iterator_internals")
 
 
 def __getattr__(name):

@@ -1,5 +1,7 @@
 """Keras 3's private names (TensorFlow backend): the hook points of the gradient path, the
-callbacks and the fast paths, and the one mechanism that wraps them (``wrap``).
+callbacks, the fast paths and sharded optimizer state, and the one mechanism that wraps them
+(``wrap``, ``unwrap``: the adapter, ``tfdp.keras.adapter``, installs and removes every hook set
+through them).
 
 Checked against Keras 3.12 to 3.15 (``tfdp.compat.names`` lists every name and a test checks
 them).
@@ -185,11 +187,6 @@ def wrapped(points, marker=_TFDP_ORIGINAL) -> list[str]:
     return out
 
 
-def wrap_keras(hooks) -> None:
-    """``wrap`` at ``keras_hook_points()`` (the gradient path)."""
-    wrap(keras_hook_points(), hooks)
-
-
 def keras_epoch_iterator_element_spec(iterator):
     """One replica's element spec (a structure of TypeSpecs) of the distributed dataset behind a
     Keras ``TFEpochIterator``, or None when it has none."""
@@ -234,15 +231,6 @@ def keras_callbacks_hook_points():
         "checkpoint_save": (model_checkpoint.ModelCheckpoint, "_save_model"),
         "csv_train_begin": (csv_logger.CSVLogger, "on_train_begin"),
     }
-
-
-_TFDP_CALLBACKS_ORIGINAL = "__tfdp_callbacks_original__"
-
-
-def wrap_keras_callbacks(hooks) -> None:
-    """``wrap`` at ``keras_callbacks_hook_points()``, with its own marker (so that the callbacks'
-    and the gradient path's wrappers never mistake each other)."""
-    wrap(keras_callbacks_hook_points(), hooks, _TFDP_CALLBACKS_ORIGINAL)
 
 
 def keras_is_fit_epoch_iterator(init_kwargs) -> bool:
@@ -403,11 +391,6 @@ def keras_variable_storage(x):
     return value if isinstance(value, tf.Variable) else None
 
 
-def wrap_keras_perf(hooks) -> None:
-    """``wrap`` at ``keras_perf_hook_points()``."""
-    wrap(keras_perf_hook_points(), hooks)
-
-
 # --- zero: Keras internals of sharded optimizer state (issue 20, tfdp.zero) ------------------
 #
 #   BaseOptimizer.build: every optimizer's build (subclasses call it first): the owner plan is
@@ -444,12 +427,6 @@ def set_keras_variable_value(variable, value) -> None:
     """Point a Keras variable at another storage (zero_stage's row-split update reads and
     writes one owner's piece of a slot while it traces that owner's update)."""
     variable._value = value  # pylint: disable=protected-access
-
-
-def wrap_keras_zero(hooks) -> None:
-    """``wrap`` at ``keras_zero_hook_points()`` (its own marker: ``apply`` is also wrapped by the
-    gradient path)."""
-    wrap(keras_zero_hook_points(), hooks, marker="__tfdp_zero_original__")
 
 
 # --- compat-versions (issue #12 item 5): TensorFlow 2.19-2.21, Keras 3.12-3.15 ---------------

@@ -6,7 +6,8 @@ Each entry names where it lives, what kind of reliance it is, and why tfdp needs
 * ``call``: a private function or method tfdp calls (or an attribute it reads);
 * ``override``: a private method of a TF/Keras class that a tfdp subclass overrides (TF calls
   it; the signature must still match);
-* ``wrap``: a Keras function or method tfdp wraps (``tfdp.compat.wrap_keras``);
+* ``wrap``: a function or method tfdp wraps (``tfdp.compat.wrap``; in place only while a hook
+  set's user lives: ``tfdp.keras.adapter``);
 * ``state``: an attribute TF/Keras sets in ``__init__`` (not on the class): checked by looking
   for ``self.<name>`` in the owner's source.
 
@@ -70,7 +71,6 @@ NAMES: tuple[Private, ...] = (
             "zero_stage: an owned variable's update runs on its owner's copy, then is copied"),
     Private(_MS, "_replica_ctx_update", "override",
             "zero_stage: the owner's update inside Keras's accumulation branch, then broadcast"),
-    Private(_MS, "_local_results", "call", "the per-device components of a reduced value"),
     Private(_MS, "_get_variable_creator_initial_value", "override",
             "copies of a variable created inside a tf.function take the primary's value"),
     Private(_CARS, "_initialize_local_devices", "override",
@@ -87,6 +87,17 @@ NAMES: tuple[Private, ...] = (
             "strategy.gather through tfdp's reducers (and TF's CollectiveAllReduce's, called)"),
     Private(_CDO, "_num_between_graph_workers", "override",
             "Keras's cross-worker output reduction counts workers through it"),
+    Private(_CDO, "_all_reduce", "override",
+            "replica-context all-reduce without merge_call (Keras's accumulation branch): TF's "
+            "MirroredExtended._replica_ctx_all_reduce calls it"),
+    # --- what Keras checks of a multi-worker strategy -----------------------------------------
+    Private("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker", "call",
+            "Keras orders predict's outputs across workers (_multi_worker_concat) only when "
+            "isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and strategy."
+            "extended._in_multi_worker_mode(): why MultiWorkerDataParallelStrategy inherits "
+            "TF's MultiWorkerMirroredStrategy (and its extended CollectiveAllReduceExtended)"),
+    Private(_CARS, "_in_multi_worker_mode", "call",
+            "as above: Keras calls it on tfdp's multi-worker extended (TF's, inherited)"),
     # --- values, devices, kernels ---------------------------------------------------------------
     Private("tensorflow.python.distribute.values", "PerReplica", "import",
             "build per-replica values from components"),
@@ -109,8 +120,6 @@ NAMES: tuple[Private, ...] = (
             "destinations -> device strings"),
     Private("tensorflow.python.distribute.cross_device_ops", "check_destinations", "call",
             "whether destinations name devices"),
-    Private("tensorflow.python.distribute.values_util", "get_current_replica_id_as_int", "call",
-            "the calling replica's index (replica-context collectives)"),
     Private("tensorflow.python.framework.kernels", "get_registered_kernels_for_op", "call",
             "is the NCCL all-reduce GPU kernel built into this TensorFlow"),
     Private("tensorflow.python.ops.nccl_ops", "all_sum", "call", "NCCL all-reduce on GPUs"),
@@ -125,7 +134,9 @@ NAMES: tuple[Private, ...] = (
             "skipped when the runtime started before the strategy (late start)"),
     Private(_CTX, "configure_coordination_service", "call",
             "add the heartbeat timeout to the coordination service TF configures"),
-    Private(_CTX, "device", "call", "former local device names keep working after a late start"),
+    Private(_CTX, "device", "wrap",
+            "(on the context instance, while the multi-worker strategy lives) former local "
+            "device names keep working after a late start"),
     Private("tensorflow.python.eager.context", "global_seed", "call",
             "whether a shuffle can be resumed exactly (tfdp.callbacks)"),
     # --- tf.data ------------------------------------------------------------------------------
@@ -241,12 +252,6 @@ NAMES: tuple[Private, ...] = (
             "a row-split slot's storage (zero_stage, tfdp.zero.rows)"),
     Private("keras.src.optimizers.base_optimizer:BaseOptimizer", "_backend_apply_gradients",
             "wrap", "refuse what cannot be sharded exactly, after build, before any update"),
-    # --- tfdp bench ---------------------------------------------------------------------------
-    Private(_MS, "_cross_device_ops", "state", "which reduction MirroredStrategy uses (bench)"),
-    Private("tensorflow.python.distribute.cross_device_ops:CollectiveAllReduce", "_options",
-            "state", "its communication implementation (bench)"),
-    Private("tensorflow.tsl.profiler.protobuf.xplane_pb2", "XSpace", "import",
-            "read the profiler's trace files (tfdp bench fit --trace)"),
 )
 
 

@@ -16,8 +16,6 @@ from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 # Build Mirrored / PerReplica containers from per-device components; select one replica's values.
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
-# The calling replica's id as an int (replica-context collectives, gradient accumulation).
-from tensorflow.python.distribute import values_util as _values_util
 # Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
 from tensorflow.python.framework import kernels as _kernels
 # Whether the function being traced is compiled by XLA (jit_compile=True).
@@ -190,9 +188,17 @@ def nccl_all_sum(tensors):
     return nccl_ops.all_sum(tensors)
 
 
-def current_replica_id() -> int:
-    """The replica id (an int) of the calling replica context (values_util)."""
-    return _values_util.get_current_replica_id_as_int()
+def current_replica_id():
+    """The local index (an int) of the calling replica: its ``replica_id_in_sync_group`` (public;
+    a constant in TF's mirrored replica contexts) modulo the worker's replica count (every worker
+    runs as many, tfdp checks at start-up). None outside a replica context."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        return None
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        return None
+    return int(replica) % len(ctx.strategy.extended.worker_devices)
 
 
 def is_distributed_values(x) -> bool:

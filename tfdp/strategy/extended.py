@@ -378,7 +378,8 @@ class DataParallelExtendedBase:
         weights = None if shares is None else [s * float(replicas) for s in shares]
         means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
         for tv, mean in zip(targets, means):
-            for c, m in zip(tv.values, self._local_results(mean)):
+            for c, m in zip(tv.values,
+                            self._container_strategy().experimental_local_results(mean)):
                 with tf.device(c.device):
                     c.assign(m)
 
