@@ -5,8 +5,9 @@ contender lives in the same worker processes and runs in alternating order, roun
 (separate jobs per contender, as ``tfdp bench allreduce --workers`` runs them, add the drift
 between jobs to a comparison). Each contender is ``strategy.run`` of a replica-context
 ``all_reduce("SUM")`` of ``--tensors`` float32 tensors (``--mbytes`` MB in all, one replica per
-worker) under ``MultiWorkerDataParallelStrategy``, traced with one cross-worker bucket cap
-(``MultiWorkerReduce.cross_worker_bucket_bytes``) and compression:
+worker) under ``MultiWorkerDataParallelStrategy``, traced with one bucket cap (the strategy's
+``bucket_bytes``, which with one replica per worker is the cross-worker bucket) and compression
+(its ``compression``), set on the strategy's reducer while the contender is traced:
 
 * ``cap 1M``: one collective per tensor of 1 MiB or more (tfdp before the cap applied to
   uncompressed buckets);
@@ -51,6 +52,13 @@ def _worker_main(config):
         xs = [tf.random.stateless_uniform([n_floats // tensors], seed=[rank, i], minval=-1.0,
                                           maxval=1.0) for i in range(tensors)]
     ops = strategy.cross_device_ops
+    # One strategy for every contender: a second multi-worker strategy in the same processes
+    # would reuse the cross-worker group and instance keys with other bucket shapes. The reducer
+    # reads its bucket_bytes and compression (DataParallelStrategy's arguments of the same
+    # names) when a function is traced, so each contender is traced with its own; with one
+    # replica per worker, bucket_bytes is the cross-worker bucket (uncompressed; compressed
+    # buckets are at least the compressed cap).
+    defaults = (ops.bucket_bytes, ops.compression)
 
     def via_strategy(cap, compression):
         @tf.function
@@ -59,9 +67,12 @@ def _worker_main(config):
                 outs = tf.distribute.get_replica_context().all_reduce("SUM", xs)
                 return tf.add_n([tf.reshape(o, [-1])[0] for o in outs])
             return strategy.run(fn)
-        ops.compression, ops.cross_worker_bucket_bytes = compression, cap  # read when traced
-        f()
-        ops.compression, ops.cross_worker_bucket_bytes = None, None
+        ops.bucket_bytes = defaults[0] if cap is None else cap
+        ops.compression = compression
+        try:
+            f()  # traced here, with these settings
+        finally:
+            ops.bucket_bytes, ops.compression = defaults
         return f
 
     def raw():

@@ -8,8 +8,10 @@ each contender's timed fit in alternating order (forward on even rounds, reverse
 all in this one process:
 
 * ``tfdp``: ``tfdp.DataParallelStrategy`` on the K CPU replicas;
-* ``tfdp, Keras table reads`` (``--before``): the same, with the embedding lookup traced as
-  Keras does it (``tfdp.keras.gradient_path.keras_table_reads``): the "before" of the fix;
+* ``tfdp, Keras table reads`` (``--before``): the same, with an embedding lookup that reads the
+  whole table as Keras's TensorFlow ``take`` does (a ``keras.layers.Embedding`` subclass defined
+  here calls ``tf.gather(table, ids)`` itself, as ``take`` does): the "before" of tfdp's sparse
+  row read;
 * ``MS ReductionToOneDevice``: ``tf.distribute.MirroredStrategy`` on the same replicas
   (ReductionToOneDevice: TF's CollectiveAllReduce reuses group keys across MirroredStrategy
   instances of one process);
@@ -41,14 +43,35 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 WARMUP_STEPS = 5
 
 
-def build_model(vocab: int, dim: int, ids: int):
+def build_model(vocab: int, dim: int, ids: int, keras_reads: bool = False):
+    """The recommender; ``keras_reads``: its lookup reads the whole table first, as Keras's
+    TensorFlow ``take`` does (the "before" contender), instead of Keras's Embedding."""
     import keras
     inputs = keras.Input((ids,), dtype="int32")
-    x = keras.layers.Embedding(vocab, dim, name="embedding")(inputs)
+    layer = _table_read_embedding() if keras_reads else keras.layers.Embedding
+    x = layer(vocab, dim, name="embedding")(inputs)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(64, activation="relu", name="hidden")(x)
     outputs = keras.layers.Dense(1, name="out")(x)
     return keras.Model(inputs, outputs, name=f"recommender_{vocab}x{dim}")
+
+
+def _table_read_embedding():
+    """A Keras ``Embedding`` whose lookup is the one Keras's TensorFlow ``take`` makes, written
+    out: ``tf.gather(variable, ids)``, which reads the whole table (every replica, every step,
+    once an optimizer has updated it with a scatter), called directly so that tfdp's sparse row
+    read (its ``ops.take`` inside a step, for ``Embedding`` + SGD) does not apply. Same weights,
+    same gradient (an ``IndexedSlices``)."""
+    import keras
+    import tensorflow as tf
+
+    class TableReadEmbedding(keras.layers.Embedding):
+        def call(self, inputs):
+            ids = tf.cast(inputs, tf.int32)
+            ids = tf.where(ids < 0, ids + tf.shape(self.embeddings)[0], ids)  # as Keras's take
+            return tf.cast(tf.gather(self.embeddings, ids, axis=0), self.compute_dtype)
+
+    return TableReadEmbedding
 
 
 def make_optimizer(name: str):
@@ -96,28 +119,20 @@ def _step_timer():
 class Contender:
     """One model under one strategy (or none), compiled once; ``fit`` times one call."""
 
-    def __init__(self, name, kind, strategy, optimizer, vocab, dim, ids, trace_as_keras=False):
+    def __init__(self, name, kind, strategy, optimizer, vocab, dim, ids, keras_reads=False):
         self.name, self.kind, self.optimizer = name, kind, optimizer
-        self.trace_as_keras = trace_as_keras
         scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
         with scope:
-            self.model = build_model(vocab, dim, ids)
+            self.model = build_model(vocab, dim, ids, keras_reads=keras_reads)
             self.model.compile(optimizer=make_optimizer(optimizer), loss="mse",
                                jit_compile=False)
 
-    def _tracing(self):
-        if self.trace_as_keras:
-            from tfdp.keras.gradient_path import keras_table_reads
-            return keras_table_reads()
-        return contextlib.nullcontext()
-
     def fit(self, dataset, steps, epochs, callbacks=()):
         timer = _step_timer()
-        with self._tracing():  # (only the first call traces the train function)
-            t0 = time.perf_counter()
-            history = self.model.fit(dataset, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                                     callbacks=[timer, *callbacks])
-            seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        history = self.model.fit(dataset, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                                 callbacks=[timer, *callbacks])
+        seconds = time.perf_counter() - t0
         steady = [b - a for ends in timer.epochs for a, b in zip(ends, ends[1:])]
         return {"seconds": seconds, "steady_s": steady,
                 "loss": float(history.history["loss"][-1])}
@@ -132,7 +147,7 @@ def _contenders(devices, optimizer, vocab, dim, ids, before, reference):
     if before:
         out.append(Contender("tfdp, Keras table reads (before)", "tfdp_before",
                              DataParallelStrategy(devices), optimizer, vocab, dim, ids,
-                             trace_as_keras=True))
+                             keras_reads=True))
     ms = tf.distribute.MirroredStrategy(devices,
                                         cross_device_ops=tf.distribute.ReductionToOneDevice())
     out.append(Contender("MS ReductionToOneDevice", "mirrored", ms, optimizer, vocab, dim, ids))
