@@ -26,7 +26,9 @@ three differences:
   NaN/Inf values is never written, so the backup always holds the last good state (see
   :class:`tfdp.callbacks.NaNGuard`).
 
-The on-disk format (sidecar, state files, atomic writes) is ``tfdp.callbacks.backup_files``.
+The on-disk format (sidecar, state files, atomic writes) is ``tfdp.callbacks.backup_files``;
+resuming (fit's input put back at restore, the ``fit`` helper) is
+``tfdp.callbacks.backup_resume``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 import keras
 
 from tfdp._version import __version__
-from tfdp.callbacks import input_position
+from tfdp.callbacks import backup_resume, input_position
 from tfdp.callbacks.backup_files import (  # noqa: F401  (BackupError etc.: public here too)
     _STATE_RE, _TMP_PREFIX, FORMAT, FORMAT_VERSION, SIDECAR, BackupError, _atomic_write,
     _variables, check_backup_dir, fingerprint, read_sidecar)
@@ -377,57 +379,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _position_input(self, meta):
         """Drop-in resume: put fit's input (and the epoch's running metrics) where the backup
-        was taken, and say once if that cannot be exact."""
-        epoch, step = meta["epoch"], meta["step_in_epoch"]
-        where = f"epoch {epoch} step {step} (global step {meta['global_step']})"
-        saved_input = meta.get("input")
-        tracker = self._input
-        if not self.position_input:
-            return  # the caller's pipeline starts at the backed-up step
-        params = self.params or {}
-        if saved_input is not None and (saved_input.get("epochs"), saved_input.get("steps")) \
-                != (params.get("epochs"), params.get("steps")):
-            # written by another fit call (e.g. one fit per epoch on data the caller positions
-            # itself): its input position says nothing about this fit's data
-            if step:
-                log.warning("tfdp BackupAndRestore: resumed at %s, but the backup was written "
-                            "by a fit of %s epochs x %s steps and this fit has %s x %s: fit's "
-                            "input is not positioned (pass data that starts at step %d, or use "
-                            "backup.fit)", where, saved_input.get("epochs"),
-                            saved_input.get("steps"), params.get("epochs"), params.get("steps"),
-                            step)
-            return
-        if tracker is None or saved_input is None or not input_position.positionable(tracker):
-            why = []
-            if tracker is not None:
-                why = input_position.not_exact_reasons(tracker)
-            if step or why:
-                log.warning(
-                    "tfdp BackupAndRestore: resumed at %s, but fit's input is not positioned "
-                    "(%s): the epoch's data starts from its beginning. Pass the callback to "
-                    "model.fit in the run that writes the backup, or use backup.fit / "
-                    "tfdp.data.distribute(..., start_step=backup.start_step)", where,
-                    "; ".join(why) if why else
-                    "the backup holds no input position" if saved_input is None else
-                    "this fit's input is not tracked")
-            return
-        tracker.pending = (saved_input["iterator"], saved_input["consumed"], step)
-        if step:
-            n = len(self._metric_variables())
-            if len(self._saved_metrics) == n:
-                self._resume_metrics = self._saved_metrics
-            else:
-                log.warning("tfdp BackupAndRestore: the backup holds %d metric variables but "
-                            "the model has %d; the resumed epoch's metrics restart at %s",
-                            len(self._saved_metrics), n, where)
-        reasons = input_position.not_exact_reasons(tracker)
-        if reasons:
-            log.warning("tfdp BackupAndRestore: resumed at %s; the input is replayed to that "
-                        "step, but the resumed run will not be exact: %s", where,
-                        "; ".join(reasons))
-        else:
-            log.info("tfdp BackupAndRestore: resumed at %s (input replayed: %d iterator(s), "
-                     "%d batch(es))", where, saved_input["iterator"], saved_input["consumed"])
+        was taken (``tfdp.callbacks.backup_resume``)."""
+        backup_resume.position_input(self, meta)
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
@@ -507,35 +460,5 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         Returns the merged ``History.history`` of the epochs run here.
         """
-        if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) \
-                or steps_per_epoch < 1:
-            raise invalid_argument("steps_per_epoch", steps_per_epoch, fix="Pass a positive int.")
-        self.set_model(model)
-        self._steps_per_epoch = steps_per_epoch
-        self._in_helper = True
-        history: dict = {}
-        try:
-            self._synced = False
-            meta = read_sidecar(self.backup_dir)
-            self._meta = meta
-            epoch, step = (meta["epoch"], meta["step_in_epoch"]) if meta else (0, 0)
-            if step >= steps_per_epoch:
-                epoch, step = epoch + 1, 0
-            fit_kwargs.setdefault("verbose", 0)
-            while epoch < epochs:
-                self._offset = step
-                if self._synced:
-                    self._epoch, self._step_in_epoch = epoch, step
-                h = model.fit(make_dataset(epoch, step), initial_epoch=epoch, epochs=epoch + 1,
-                              steps_per_epoch=steps_per_epoch - step,
-                              callbacks=[self, *callbacks], **fit_kwargs)
-                for k, v in h.history.items():
-                    history.setdefault(k, []).extend(v)
-                if model.stop_training:
-                    break
-                epoch, step = epoch + 1, 0
-        finally:
-            self._in_helper = False
-            self._steps_per_epoch = None
-        self._finish()
-        return history
+        return backup_resume.fit(self, model, make_dataset, epochs, steps_per_epoch,
+                                 callbacks, **fit_kwargs)

@@ -208,6 +208,8 @@ NAMES: tuple[Private, ...] = (
     # --- Keras: callbacks (tfdp.callbacks) ------------------------------------------------------
     Private(_EPOCH_IT, "__init__", "wrap", "fit's epoch iterator: resume at the backed-up step"),
     Private(_EPOCH_IT, "_get_iterator", "wrap", "as above: replay the consumed iterators"),
+    Private("keras.src.trainers.trainer:Trainer", "_initial_epoch", "state",
+            "as above: fit starts at the backed-up epoch (Keras's own BackupAndRestore sets it)"),
     Private("keras.src.trainers.epoch_iterator:EpochIterator", "_num_batches", "state",
             "shorten the resumed epoch"),
     Private("keras.src.trainers.epoch_iterator:EpochIterator", "_steps_seen", "state",
