@@ -74,6 +74,36 @@ def assert_replicas_identical(strategy, model):
     return checked
 
 
+class _Counter:
+    executed = 0
+
+
+def count_replica_collectives(strategy):
+    """Count the replica-context collectives the strategy's reducer *executes* (a py_function
+    tick after each): call before the step is traced; read ``.executed`` of the result."""
+    import threading
+
+    import tensorflow as tf
+    counter, lock = _Counter(), threading.Lock()
+    collectives = strategy.cross_device_ops.prepare_replica_context()
+    original = collectives.collective
+
+    def tick():
+        with lock:  # (py_functions of several replicas run in TF's threads)
+            counter.executed += 1
+        return tf.constant(0, tf.int32)
+
+    def counted(buf, replica_id):
+        out = original(buf, replica_id)
+        with tf.control_dependencies([out]):
+            ticked = tf.py_function(tick, [], tf.int32)
+        with tf.control_dependencies([ticked]):
+            return tf.identity(out)
+
+    collectives.collective = counted  # (an instance attribute: the stage looks it up per call)
+    return counter
+
+
 # --- simulated crashes (backup tests): import both into a test module -------------------------
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TOL, assert_replicas_identical, build, make_data, max_diff
+from helpers import (TOL, assert_replicas_identical, build, count_replica_collectives, make_data,
+                     max_diff)
 
 import tfdp
 from tfdp import compat as tfp
@@ -77,8 +78,7 @@ def test_one_all_reduce_per_k_micro_steps():
     x, y = make_data(n=B * k * 2)  # 8 micro-steps: 2 updates
     strategy = tfdp.DataParallelStrategy(bucket_bytes=0)  # one collective per gradient tensor
     model = build(strategy, _accumulating("adam", k))
-    reducer = strategy.extended._replica_reducer()
-    reducer.count_executions = True
+    reducer = count_replica_collectives(strategy)  # before the step is traced
     n_grads = len(model.trainable_variables)
     replicas = strategy.num_replicas_in_sync
 
@@ -134,16 +134,16 @@ def test_uneven_micro_batches_equal_one_device_accumulation():
 
 
 def test_replica_all_reduce_outside_tf_function_is_refused():
-    from tfdp.reduce.collective import ReplicaAllReduce
-    reducer = ReplicaAllReduce(["/job:localhost/replica:0/task:0/device:CPU:0"])
+    from tfdp.reduce import Reducer
+    reducer = Reducer(["/job:localhost/replica:0/task:0/device:CPU:0"])
     with pytest.raises(RuntimeError, match="inside tf.function"):
-        reducer.all_reduce("SUM", [tf.ones([2])], 0)
+        reducer._all_reduce("SUM", [tf.ones([2])], 0, None)
 
 
 def test_custom_loop_with_replica_collectives_sums_exactly():
     """The replica-context path on its own: strategy.run inside tf.function, no merge_call."""
     strategy = tfdp.DataParallelStrategy()
-    reducer = strategy.extended._replica_reducer()
+    reducer = strategy.cross_device_ops
 
     @tf.function
     def step():
@@ -151,7 +151,7 @@ def test_custom_loop_with_replica_collectives_sums_exactly():
             rid = tf.distribute.get_replica_context().replica_id_in_sync_group
             v = tf.cast(rid + 1, tf.float32) * tf.ones([3, 5])
             i = tf.cast(rid, tf.int32) * tf.ones([7], tf.int32)
-            return reducer.all_reduce("SUM", [v, i], tfp.current_replica_id())
+            return reducer._all_reduce("SUM", [v, i], tfp.current_replica_id(), None)
         return strategy.run(fn)
 
     out = step()
@@ -168,7 +168,7 @@ import tfdp
 strategy = tfdp.DataParallelStrategy(bucket_bytes=0)  # multi-worker: TF_CONFIG from the launcher
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
 import numpy as np, keras
-from helpers import build, make_data, max_diff
+from helpers import build, count_replica_collectives, make_data, max_diff
 from tfdp.testing import emit_result
 k, B = 2, 16
 x, y = make_data(n=k * B * 3)
@@ -176,8 +176,7 @@ ref = build(None, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
 ref.fit(x, y, batch_size=k * B, epochs=2, shuffle=False, verbose=0)
 model = build(strategy, lambda: keras.optimizers.SGD(0.05, momentum=0.9,
                                                     gradient_accumulation_steps=k))
-reducer = strategy.extended._replica_reducer()
-reducer.count_executions = True
+reducer = count_replica_collectives(strategy)
 model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
 identical = all(
     all(np.array_equal(np.asarray(c), np.asarray(strategy.experimental_local_results(v)[0]))
@@ -191,8 +190,7 @@ emit_result(rank=strategy.cluster.rank, diff=max_diff(model.get_weights(), ref.g
 """
 
 
-@pytest.mark.multiprocess
-def test_accumulation_two_workers_equals_big_batch():
+def test_accumulation_two_workers_equals_big_batch(worker_job):
     import os
 
     from tfdp.testing import parse_results, run_workers

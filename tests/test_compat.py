@@ -53,11 +53,10 @@ def test_only_tfdp_compat_imports_private_modules():
 
 
 def _tfdp_subclasses_of_tf():
-    from tfdp.reduce.hierarchical import MultiWorkerReduce
-    from tfdp.reduce.local import DataParallelReduce
+    from tfdp.reduce.reducer import Reducer
     from tfdp.strategy.local import LocalExtended
     from tfdp.strategy.multiworker import MultiWorkerExtended
-    return [LocalExtended, MultiWorkerExtended, DataParallelReduce, MultiWorkerReduce]
+    return [LocalExtended, MultiWorkerExtended, Reducer]
 
 
 def test_every_overridden_private_hook_is_listed():

@@ -224,16 +224,19 @@ def test_one_replica_fit_of_a_generator_leaves_the_users_arrays_alone():
 # --- cross-worker buckets ------------------------------------------------------------------------
 
 def test_cross_worker_bucket_caps():
-    from tfdp.reduce import hierarchical
+    from tfdp.reduce import reducer
     dev = ["/job:localhost/replica:0/task:0/device:CPU:0"]
-    plain = hierarchical.MultiWorkerReduce(dev, 2)
+    plain = reducer.Reducer(dev, 2)
     # measured: float32 buckets bigger than the local capacity are slower across workers
-    assert hierarchical.UNCOMPRESSED_BUCKET_BYTES is None
+    assert reducer.UNCOMPRESSED_BUCKET_BYTES is None
     assert plain.packed_bucket_bytes() == plain.bucket_bytes
-    fp16 = hierarchical.MultiWorkerReduce(dev, 2, compression="fp16")
-    assert fp16.packed_bucket_bytes() == hierarchical.COMPRESSED_BUCKET_BYTES
-    assert hierarchical.MultiWorkerReduce(dev, 2, bucket_bytes=0).packed_bucket_bytes() == 0
-    plain.cross_worker_bucket_bytes = 4 << 20
+    fp16 = reducer.Reducer(dev, 2, compression="fp16")
+    assert fp16.packed_bucket_bytes() == reducer.COMPRESSED_BUCKET_BYTES
+    assert reducer.Reducer(dev, 2, bucket_bytes=0).packed_bucket_bytes() == 0
+    plain.bucket_bytes = 4 << 20  # (what tfdp bench crossworker sweeps)
     assert plain.packed_bucket_bytes() == 4 << 20
-    big_local = hierarchical.MultiWorkerReduce(dev, 2, bucket_bytes=128 << 20)
+    big_local = reducer.Reducer(dev, 2, bucket_bytes=128 << 20)
     assert big_local.packed_bucket_bytes() == 128 << 20  # never below the local capacity
+    # one process: the local capacity, compressed or not
+    assert reducer.Reducer(dev, 1, compression="fp16").packed_bucket_bytes() == \
+        reducer.Reducer(dev, 1).bucket_bytes

@@ -13,7 +13,8 @@ import tensorflow as tf
 import tfdp
 from tfdp.reduce import sparse
 from tfdp.reduce.algorithms import tree_sum
-from tfdp.reduce.local import DataParallelReduce
+from tfdp.reduce import Reducer
+from tfdp.reduce.options import ReduceOptions
 from tfdp.testing import parse_results, run_workers
 
 DEVS4 = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
@@ -64,14 +65,14 @@ class TestRule:
         monkeypatch.setenv(sparse.ENV, " Densify ")
         assert sparse.resolve_mode() == "densify"
         assert sparse.resolve_mode("GATHER") == "gather"  # the kwarg wins
-        assert DataParallelReduce().sparse == "densify"
+        assert Reducer().sparse == "densify"
         monkeypatch.setenv(sparse.ENV, "dense")
         with pytest.raises(ValueError, match=r"Invalid TFDP_SPARSE.*'dense'.*'auto', 'gather', "
                                              r"'densify'"):
             sparse.resolve_mode()
         with pytest.raises(ValueError, match="Invalid sparse"):
-            DataParallelReduce(sparse="sometimes")
-        r = DataParallelReduce(sparse="gather")
+            Reducer(sparse="sometimes")
+        r = Reducer(sparse="gather")
         with pytest.raises(ValueError, match="Valid: 'auto', 'gather', 'densify'"):
             r.sparse = 3
         assert "sparse='gather'" in repr(r)
@@ -94,8 +95,8 @@ def _slices_inputs(seed=0, nan_replica=None):
     return idx, vals
 
 
-def _reduce(strategy, idx, vals, op, weights=None, dynamic=False):
-    """all_reduce of per-replica IndexedSlices through the strategy's DataParallelReduce."""
+def _reduce(strategy, idx, vals, op, weights=None, dynamic=False, densify_ok=False):
+    """all_reduce of per-replica IndexedSlices through the strategy's reducer."""
     per_replica = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.IndexedSlices(tf.constant(vals[ctx.replica_id_in_sync_group]),
                                      tf.constant(idx[ctx.replica_id_in_sync_group]),
@@ -114,7 +115,8 @@ def _reduce(strategy, idx, vals, op, weights=None, dynamic=False):
             return s
         pr = strategy.run(replica_fn, args=(v,))
         w = None if weights is None else [tf.constant(x, tf.float32) for x in weights]
-        out = strategy.cross_device_ops.all_reduce(op, [pr], w)[0]
+        options = ReduceOptions(weights=w, densify_ok=densify_ok)
+        out = strategy.cross_device_ops.all_reduce(op, [pr], options)[0]
         comps = strategy.experimental_local_results(out)
         kinds.append(type(comps[0]).__name__)
         return [tf.convert_to_tensor(c) for c in comps]
@@ -149,11 +151,10 @@ def test_local_paths_equal_dense_reference(case, op, weighted, monkeypatch):
     monkeypatch.setattr(sparse, "LOCAL_GATHER_MAX_RATIO", ratio)
     s = tfdp.DataParallelStrategy(DEVS4)
     s.cross_device_ops.sparse = mode
-    s.cross_device_ops.densify_ok = densify_ok
     # uneven weights; replica 2 (empty) has weight 0, replica 3 weight 0 with NaN values
     weights = [1.25, 0.75, 0.0, 0.0] if weighted else None
     idx, vals = _slices_inputs(nan_replica=3 if weighted else None)
-    got, got_kind = _reduce(s, idx, vals, op, weights, dynamic)
+    got, got_kind = _reduce(s, idx, vals, op, weights, dynamic, densify_ok)
     assert (got_kind == "IndexedSlices") == is_slices, got_kind
     want = _want(idx, vals, op, weights)
     for g in got:  # every replica gets the same, exact result
@@ -214,8 +215,7 @@ def test_keras_fit_with_embedding_equals_single_device(case, opt, monkeypatch):
         # vocab 50 x 8 float32 = 1,600 bytes; batches of 50 (4 ids each) gather 200 rows of 36
         # bytes (4.5x the table: densify), the last batch of 10 gathers 40 (0.9x: gather).
         monkeypatch.setattr(sparse, "LOCAL_GATHER_MAX_RATIO", 1.0)
-        s.cross_device_ops.sparse = "auto"
-        s.cross_device_ops.densify_ok = True
+        s.cross_device_ops.sparse = "auto"  # (SGD with momentum: the gradient path lets it densify)
     m = _fit(s, opt=opt)
     assert max_diff(_REF[opt], m.get_weights()) <= TOL
     assert_replicas_identical(s, m)
@@ -232,7 +232,6 @@ sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
 from tfdp.testing import emit_result
 from test_sparse import _fit
 rank = strategy.cluster.rank
-strategy.cross_device_ops.densify_ok = True  # SGD with momentum: linear in the gradient
 for mode in ("gather", "densify", "auto"):
     os.environ["TFDP_SPARSE"] = mode  # read when the train step is traced
     m = _fit(strategy, epochs=1)
@@ -243,9 +242,8 @@ emit_result(rank=rank, replicas=strategy.num_replicas_in_sync)
 """
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_two_workers_gather_densify_auto_equal_single_device(tmp_path):
+def test_two_workers_gather_densify_auto_equal_single_device(worker_job, tmp_path):
     from helpers import TOL, max_diff
     # 2 workers x 2 replicas; batches of 50 split 13,13 | 13,11, the last (10) 3,3 | 3,1. With
     # "auto" (across workers: gather while gathered bytes <= table bytes) the full batches
@@ -267,7 +265,7 @@ def test_two_workers_gather_densify_auto_equal_single_device(tmp_path):
 
 # --- the benchmark -------------------------------------------------------------------------------
 
-def test_sparse_bench_tiny_run(tmp_path):
+def test_sparse_bench_tiny_run(run_process, tmp_path):
     # In a fresh process: TF's MirroredStrategy numbers its collectives per strategy object from
     # the same keys, so a second one in a process that already ran another's collectives (the
     # rest of this suite) fails with "Collective instance 100 expected type ...".
@@ -292,7 +290,7 @@ def test_sparse_bench_tiny_run(tmp_path):
         assert c["reduce"]["median_s"] > 0 and c["dense"]["median_s"] > 0
 
 
-def test_sparse_bench_help_and_usage_errors():
+def test_sparse_bench_help_and_usage_errors(run_process):
     from tfdp_bench import sparse as bench
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     p = subprocess.run([sys.executable, "-m", "tfdp_bench.sparse", "--help"], env=env,

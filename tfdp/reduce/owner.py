@@ -4,7 +4,8 @@
   (an assign per copy; in one process a copy between devices is all a broadcast is).
 * ``replica_broadcast``: the same from replica contexts without merge_call (Keras's
   accumulation branch): every replica joins one ``CollectiveReduceV2`` of the job's
-  replica-context group (``tfdp.reduce.collective``) through the bucket pipeline, the owner
+  replica-context group (``tfdp.reduce.collective.ReplicaCollectives``) through the bucket
+  pipeline, the owner
   contributing its value and every other replica ``-0.0``. ``x + (-0.0)`` is ``x`` for every
   float ``x`` (``-0.0`` included), so the sum is the owner's value bit for bit, in any order.
   (TF has no reduce-to-root and no reduce-scatter on CPU; the all-reduce is the one collective
@@ -14,6 +15,9 @@
   device only (a tree of adds finished there; across workers, then one collective among the
   owner devices of every worker), through the bucket pipeline (small gradients of one owner
   share a bucket).
+
+The reducer (``tfdp.reduce.reducer.Reducer``) exposes the last two as methods; the strategy
+calls those.
 """
 
 from __future__ import annotations
@@ -48,14 +52,13 @@ def identity_element(shape, dtype):
     return tf.zeros(shape, dtype)
 
 
-def replica_broadcast(extended, comp, source: bool, replica: int, worker_rank: int = 0):
+def replica_broadcast(collectives, comp, source: bool, replica: int, worker_rank: int = 0):
     """From replica ``replica``'s context: every copy of a variable takes the owner's value.
 
-    ``comp`` is this replica's copy; ``source`` whether this replica is the owner (it updated
-    ``comp``). Every replica of the job must call it, in the same order.
+    ``collectives`` is the job's ``tfdp.reduce.collective.ReplicaCollectives``; ``comp`` is
+    this replica's copy; ``source`` whether this replica is the owner (it updated ``comp``).
+    Every replica of the job must call it, in the same order.
     """
-    reducer = extended._replica_reducer()  # pylint: disable=protected-access
-    collective = reducer._collective  # pylint: disable=protected-access (tfdp's own)
     device = comp.device
     with tf.device(device):
         if source and worker_rank == 0:
@@ -65,10 +68,10 @@ def replica_broadcast(extended, comp, source: bool, replica: int, worker_rank: i
 
     def stage(bufs, devs, finish):
         del devs
-        return [finish(collective(bufs[0], replica), 0)]
+        return [finish(collectives.collective(bufs[0], replica), 0)]
 
     reduced, _ = pipeline.all_reduce_dense(
-        [[value]], [device], SUM, stage, group_size=reducer.group_size, bucket_bytes=0,
+        [[value]], [device], SUM, stage, group_size=collectives.group_size, bucket_bytes=0,
         compression=None)
     if source:
         return None

@@ -43,7 +43,6 @@ class DataParallelExtendedBase:
         self.tfdp_settings = settings          # a tfdp.strategy.settings.Settings
         self._tfdp_requested_devices = devices  # the user's device list (None: the default)
         self.tfdp_context = None  # the StepContext of the strategy.run being traced (keras.step)
-        self._tfdp_replica_reduce = None
         self._tfdp_state_vars = []  # weakrefs: float, non-trainable, aggregation NONE
         self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
         self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
@@ -51,10 +50,12 @@ class DataParallelExtendedBase:
         self._tfdp_reduce = self._init_tf_extended(container_strategy, cluster)
         # tfdp's hooks in Keras while this strategy lives (tfdp.keras.adapter)
         adapter.use(container_strategy, *adapter.STRATEGY_SETS)
-        self._replica_reducer()  # now, outside any strategy scope (it creates variables)
+        # the replica-context collectives now, outside any strategy scope (they make variables)
+        self._tfdp_reduce.prepare_replica_context()
 
     def _init_tf_extended(self, container_strategy, cluster):
-        """Run TF's extended ``__init__``; set ``tfdp_choice``; return tfdp's cross-device ops."""
+        """Run TF's extended ``__init__``; set ``tfdp_choice``; return tfdp's reducer
+        (``tfdp.reduce.Reducer``)."""
         raise NotImplementedError
 
     def _choose(self, devices):
@@ -66,7 +67,7 @@ class DataParallelExtendedBase:
 
     @property
     def tfdp_reduce(self):
-        """tfdp's cross-device ops for this strategy."""
+        """tfdp's reducer for this strategy (``tfdp.reduce.Reducer``)."""
         return self._tfdp_reduce
 
     def all_reduce_gradients(self, grads, densify_ok=False):
@@ -74,15 +75,16 @@ class DataParallelExtendedBase:
         gradient path (``tfdp.keras.gradient_path``); an empty replica's gradients count as zero.
 
         One batched reduction through tfdp's reducer (``merge_call``), or, inside Keras's
-        gradient-accumulation branch, replica-context collectives.
+        gradient-accumulation branch, replica-context collectives (the reducer's
+        ``_all_reduce``). ``densify_ok``: every sparse gradient's consumer is linear in it.
         """
+        from tfdp.reduce.options import ReduceOptions
         step = self.tfdp_context
         masks = None if step is None else step.masks
-        self._tfdp_reduce.densify_ok = densify_ok
         if self._replica_collectives_only() and not tf.executing_eagerly():
             # (accumulated gradients: the gradient path zeroed empty micro-batches on entry)
-            return self._replica_reducer().all_reduce(
-                tf.distribute.ReduceOp.SUM, grads, tfp.current_replica_id())
+            return self._tfdp_reduce._all_reduce(  # pylint: disable=protected-access
+                tf.distribute.ReduceOp.SUM, list(grads), tfp.current_replica_id(), None)
         if not self._use_merge_call():  # XLA on GPUs: TF's replica-context collectives
             if masks is not None:
                 grads = gradient_path.zero_if_empty(grads, masks[tfp.current_replica_id()])
@@ -93,11 +95,12 @@ class DataParallelExtendedBase:
             ops = strategy.extended._tfdp_reduce
             values = [v if tfp.is_distributed_values(v) else tfp.PerReplica((v,))
                       for v in values]
+            options = ReduceOptions(weights=masks, densify_ok=densify_ok)
             zero = strategy.extended.tfdp_zero
             if zero is not None and zero.stage == 2:  # each gradient onto its owner only
-                return zero.reduce_gradients(values, masks)
-            return ops.batch_reduce_weighted(tf.distribute.ReduceOp.SUM,
-                                             [(v, v) for v in values], masks)
+                return zero.reduce_gradients(values, options)
+            return ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(v, v) for v in values],
+                                    options)
 
         return tf.distribute.get_replica_context().merge_call(merge, args=tuple(grads))
 
@@ -277,6 +280,8 @@ class DataParallelExtendedBase:
         step = self.tfdp_context
         if step is not None and (step.no_merge or step.deferred):
             return False  # (inside an XLA-compiled replica step: no merge_call can run there)
+        if self._num_workers_in_job() > 1:
+            return True  # across workers tfdp's reduction always sees all local values at once
         return super()._use_merge_call()
 
     def _get_cross_device_ops(self, value):
@@ -284,23 +289,11 @@ class DataParallelExtendedBase:
             return self._tfdp_reduce
         return super()._get_cross_device_ops(value)
 
-    def _replica_reducer(self):
-        if self._tfdp_replica_reduce is None:
-            from tfdp.reduce.collective import ReplicaAllReduce
-            ops = self._tfdp_reduce
-            self._tfdp_replica_reduce = ReplicaAllReduce(
-                self.worker_devices, self._num_workers_in_job(), ops.bucket_bytes,
-                ops.compression, getattr(ops, "timeout_seconds", 0.0))
-        return self._tfdp_replica_reduce
-
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # TF's template (MirroredExtended's, also for the multi-worker extended, a subclass):
+        # merge_call while _use_merge_call(), else the reducer's _all_reduce from each replica.
         self._refuse_all_reduce_in_xla()
-        if not self._replica_collectives_only() or tf.executing_eagerly():
-            return super()._replica_ctx_all_reduce(reduce_op, value, options)
-        replica_id = tfp.current_replica_id()
-        flat = tf.nest.flatten(value)
-        reduced = self._replica_reducer().all_reduce(reduce_op, flat, replica_id)
-        return tf.nest.pack_sequence_as(value, reduced)
+        return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
 
     # --- sharded optimizer state (zero_stage, tfdp.zero) --------------------------------------
 
@@ -375,8 +368,10 @@ class DataParallelExtendedBase:
                 with tf.device(c.device):
                     comps.append(c.read_value())
             pairs.append((tfp.PerReplica(tuple(comps)), tv))
+        from tfdp.reduce.options import ReduceOptions
         weights = None if shares is None else [s * float(replicas) for s in shares]
-        means = self._tfdp_reduce.batch_reduce_weighted(tf.distribute.ReduceOp.MEAN, pairs, weights)
+        means = self._tfdp_reduce.batch_reduce(tf.distribute.ReduceOp.MEAN, pairs,
+                                               ReduceOptions(weights=weights))
         for tv, mean in zip(targets, means):
             for c, m in zip(tv.values,
                             self._container_strategy().experimental_local_results(mean)):
@@ -429,7 +424,9 @@ class DataParallelExtendedBase:
             # padded replica: that replica adds nothing
             pairs = [(v if tfp.is_distributed_values(v) else tfp.PerReplica((v,)), d)
                      for v, d in value_destination_pairs]
-            return self._tfdp_reduce.batch_reduce_weighted(reduce_op, pairs, step.masks)
+            from tfdp.reduce.options import ReduceOptions
+            return self._tfdp_reduce.batch_reduce(reduce_op, pairs,
+                                                  ReduceOptions(weights=step.masks))
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
 
 

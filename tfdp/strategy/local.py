@@ -38,7 +38,7 @@ from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp.errors import invalid_argument
 from tfdp.keras import gradient_path
-from tfdp.reduce.local import DataParallelReduce
+from tfdp.reduce.reducer import Reducer
 from tfdp.strategy.announce import announce
 from tfdp.strategy.extended import DataParallelExtendedBase
 from tfdp.strategy.role import worker_role
@@ -147,7 +147,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def cross_device_ops(self):
-        """tfdp's reducer (``DataParallelReduce``; ``MultiWorkerReduce`` across workers)."""
+        """tfdp's reducer (``tfdp.reduce.Reducer``, in one process or across workers)."""
         return self.extended.tfdp_reduce
 
     @property
@@ -226,8 +226,8 @@ class LocalExtended(SetupOrderChecks, DataParallelExtendedBase, tfp.MirroredExte
         settings = self.tfdp_settings
         devices = devices_lib.resolve_devices(self._tfdp_requested_devices)
         choice = self._choose(devices)
-        reduce = DataParallelReduce(choice.algorithm, settings.bucket_bytes, settings.compression,
-                                    settings.sparse)
+        reduce = Reducer(devices, 1, choice.algorithm, settings.bucket_bytes,
+                         settings.compression, settings.sparse)
         tfp.MirroredExtended.__init__(self, container_strategy, devices=devices,
                                       cross_device_ops=reduce)
         return reduce

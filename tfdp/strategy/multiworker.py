@@ -21,8 +21,8 @@ How it is built (TF 2.21):
 * Its extended subclasses TF's ``CollectiveAllReduceExtended`` (which only ever uses CPU:0 or
   the GPUs of a worker) to use the worker's K local devices, and tfdp's ``DataParallelExtendedBase``
   (the Keras step path: replica shares, empty replicas, BatchNorm-statistics sync).
-* Reduction (:class:`MultiWorkerReduce`) is hierarchical: the K local values are summed first
-  (packed into buckets, ``tfdp.reduce.packing``; weighted; optionally compressed), then summed
+* Reduction (tfdp's one reducer, ``tfdp.reduce.Reducer``, with its cross-worker stage) is
+  hierarchical: the K local values are summed first (packed into buckets, ``tfdp.reduce.packing``; weighted; optionally compressed), then summed
   across workers by one TF collective per bucket (``CollectiveReduceV2``, RING on CPU with
   ``max_subdivs_per_device=16``, NCCL on GPUs) on one device per worker, then copied to the local
   devices. With ``all_reduce="ring"`` the local stage is a reduce-scatter: device c of every
@@ -58,7 +58,7 @@ from tfdp import failures
 from tfdp.cluster import startup
 from tfdp.errors import TfdpError, invalid_argument
 from tfdp.keras import gradient_path
-from tfdp.reduce.hierarchical import MultiWorkerReduce
+from tfdp.reduce.reducer import Reducer
 from tfdp.strategy.extended import DataParallelExtendedBase
 from tfdp.strategy.announce import announce
 from tfdp.strategy.local import DataParallelStrategy, uneven_reduce_error
@@ -110,10 +110,10 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
         devs = list(self.worker_devices)
         choice = self._choose(devs)
         self._tf_collective_ops = self._cross_device_ops
-        reduce = MultiWorkerReduce(
+        reduce = Reducer(
             devs, self._num_workers, choice.algorithm, settings.bucket_bytes,
-            settings.compression, fallback=self._tf_collective_ops,
-            timeout_seconds=settings.collective_timeout or 0.0, sparse=settings.sparse)
+            settings.compression, settings.sparse, fallback=self._tf_collective_ops,
+            timeout_seconds=settings.collective_timeout or 0.0)
         self._cross_device_ops = reduce
         return reduce
 
@@ -162,18 +162,6 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
             return tuple(f"{worker_device}/device:GPU:{i}" for i in range(len(gpus))), "GPU"
         return (tuple(f"{worker_device}/device:CPU:{i}" for i in range(_local_cpu_count())),
                 "CPU")
-
-    # tfdp's reduction needs all local values at once: go through merge_call, except in the
-    # replica-context path of gradient accumulation (strategy._DataParallelExtended).
-    def _use_merge_call(self):
-        return not self._replica_collectives_only()
-
-    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-        self._refuse_all_reduce_in_xla()
-        if self._replica_collectives_only() and not tf.executing_eagerly():
-            return DataParallelExtendedBase._replica_ctx_all_reduce(
-                self, reduce_op, value, options)
-        return tfp.MirroredExtended._replica_ctx_all_reduce(self, reduce_op, value, options)
 
     def _num_workers_in_job(self) -> int:
         return self._num_workers
@@ -360,7 +348,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
                  self._cluster.num_workers, len(extended.worker_devices),
                  [devices_lib.short_name(d) for d in extended.worker_devices],
                  extended.tfdp_settings.all_reduce, extended.tfdp_choice.algorithm,
-                 extended.tfdp_choice.reason, extended.tfdp_reduce.hint,
+                 extended.tfdp_choice.reason, extended.tfdp_reduce.cross_worker.hint,
                  extended.tfdp_reduce.bucket_bytes, extended.tfdp_reduce.compression,
                  " (collective runtime started late)" if extended.tfdp_late_start else "")
         announce(self)
@@ -449,4 +437,4 @@ def _check_local_devices(worker_devices, requested):
                 devices_lib.cpu_replicas_from_env()))
 
 
-__all__ = ["MultiWorkerDataParallelStrategy", "MultiWorkerReduce"]
+__all__ = ["MultiWorkerDataParallelStrategy"]

@@ -309,9 +309,10 @@ class ZeroState:
             owner = hit[1]
         return owner
 
-    def reduce_gradients(self, values, weights):
+    def reduce_gradients(self, values, options):
         """zero_stage=2's sum of every replica's gradients (merge context): each gradient of an
-        owned variable summed onto its owner only; others all-reduced as usual.
+        owned variable summed onto its owner only; others all-reduced as usual. ``options``: the
+        call's ``tfdp.reduce.ReduceOptions`` (per-replica weights, densify_ok).
 
         A gradient summed to its owner comes back as that one tensor for every replica: the
         owner's update reads it where it is, and a replica that reads it elsewhere (a global
@@ -331,17 +332,14 @@ class ZeroState:
             owned = [i for i in owned if not isinstance(values[i].values[0], tf.IndexedSlices)]
         results = [None] * len(values)
         if rest:
-            reduced = ops.batch_reduce_weighted(
-                tf.distribute.ReduceOp.SUM, [(values[i], values[i]) for i in rest], weights)
+            reduced = ops.batch_reduce(
+                tf.distribute.ReduceOp.SUM, [(values[i], values[i]) for i in rest], options)
             for i, r in zip(rest, reduced):
                 results[i] = r
         if owned:
-            from tfdp.reduce import owner as owner_lib
             self.owner_reductions += 1
-            sums = owner_lib.reduce_to_owners(
-                [values[i] for i in owned], [owners[i] for i in owned], list(self.devices),
-                weights=weights, bucket_bytes=ops.bucket_bytes,
-                cross_worker_sum=ops.cross_worker_sum if multiworker else None)
+            sums = ops.reduce_to_owners([values[i] for i in owned],
+                                        [owners[i] for i in owned], options)
             for i, t in zip(owned, sums):
                 results[i] = t
         return results
@@ -421,10 +419,9 @@ class ZeroState:
         if source:
             with tf.device(comp.device), tf.name_scope(f"update_{owner}"):
                 result = fn(comp, *args, **kwargs)
-        from tfdp.reduce import owner as owner_lib
         from tfdp.strategy.role import worker_role
         rank = worker_role(tf.distribute.get_replica_context().strategy).index
-        owner_lib.replica_broadcast(ext, comp, source, replica, rank)
+        ext.tfdp_reduce.replica_broadcast(comp, source, replica, rank)
         return result
 
 
