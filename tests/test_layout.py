@@ -172,17 +172,8 @@ def test_no_benchmark_module_over_500_lines():
     assert _long_modules(os.path.join(ROOT, "tfdp_bench")) == {}
 
 
-@pytest.mark.xfail(strict=False, reason="issue 21: modules of tfdp/ that other parts of the "
-                   "rework are still splitting (tfdp/strategy, tfdp/keras, tfdp/reduce ...); "
-                   "strict once they are done")
 def test_no_module_over_500_lines():
     assert _long_modules(PKG) == {}
-
-
-def test_train_and_launch_modules_under_500_lines():
-    long = _long_modules(PKG)
-    assert not {p: n for p, n in long.items()
-                if p.startswith((os.path.join("tfdp", "train"), os.path.join("tfdp", "launch")))}
 
 
 def test_the_core_does_not_import_the_launcher_or_commands():
