@@ -62,16 +62,17 @@ def scope_reductions(cross_device_ops, scope: str = ALL_REDUCE_SCOPE):
 
     Wraps the instance's entry points, before the train function is traced: the
     ``tf.distribute.CrossDeviceOps`` template methods (``batch_reduce_implementation``,
-    ``reduce_implementation``: MirroredStrategy's path) and, for tfdp's ``DataParallelReduce``,
-    ``all_reduce`` and ``batch_reduce_weighted`` (what tfdp's gradient path calls). Nested calls
-    open the scope once. Name scopes only rename ops: the computation is unchanged. Returns the
+    ``reduce_implementation``: MirroredStrategy's path and tfdp's, whose gradient path enters its
+    ``tfdp.reduce.Reducer`` through ``batch_reduce``), ``all_reduce`` and TF's replica-context
+    ``_all_reduce`` (tfdp's reducer inside Keras's gradient accumulation). Nested calls open the
+    scope once. Name scopes only rename ops: the computation is unchanged. Returns the
     object.
     """
     import tensorflow as tf
 
     depth = [0]
     for name in ("batch_reduce_implementation", "reduce_implementation", "all_reduce",
-                 "batch_reduce_weighted"):
+                 "_all_reduce"):
         original = getattr(cross_device_ops, name, None)
         if not callable(original) or getattr(original, "_tfdp_bench_scoped", False):
             continue
