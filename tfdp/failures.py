@@ -15,6 +15,7 @@ import re
 import sys
 
 from tfdp.errors import invalid_argument
+from tfdp.keras import adapter
 
 # A worker that loses a peer prints one line starting with this mark (after the traceback of the
 # uncaught error); the launcher repeats that line in its summary and names that peer first.
@@ -222,7 +223,6 @@ class PeerFailureHook:
     @classmethod
     def install(cls, strategy, cluster, heartbeat_timeout, collective_timeout):
         """Wrap ``sys.excepthook`` for as long as ``strategy`` lives."""
-        from tfdp.keras import adapter
         cls.settings = (cluster, heartbeat_timeout, collective_timeout)
         adapter.use(strategy, "peer_failure")
 
@@ -237,6 +237,8 @@ class PeerFailureHook:
             sys.stderr.write(f"{PEER_FAILURE_MARK}{line}\n")
             sys.stderr.flush()
 
+
+adapter.provide("peer_failure", {"excepthook": PeerFailureHook})
 
 __all__ = ["PEER_FAILURE_MARK", "PeerFailureHook", "model_mismatch_message",
            "peer_failure_message", "seconds_setting"]

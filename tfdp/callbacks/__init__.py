@@ -11,8 +11,8 @@
 * :func:`straggler_report`, :func:`gather_per_worker`: per-worker figures through the strategy
   (a no-op with one worker).
 * Keras's own ``BackupAndRestore`` / ``ModelCheckpoint`` / ``CSVLogger`` across workers: only the
-  chief writes shared files (:mod:`tfdp.callbacks.shared_files`, installed by every multi-worker
-  tfdp strategy).
+  chief writes shared files (:mod:`tfdp.callbacks.shared_files`, in Keras while a multi-worker
+  tfdp strategy lives).
 """
 
 from tfdp.callbacks.backup import BackupAndRestore, BackupError, Position

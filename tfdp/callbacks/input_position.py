@@ -37,6 +37,7 @@ import threading
 import weakref
 
 from tfdp import compat
+from tfdp.keras import adapter
 
 log = logging.getLogger("tfdp")
 
@@ -262,12 +263,12 @@ def _get_iterator(original):
 
 
 HOOKS = {"epoch_iterator_init": _init, "epoch_iterator_get_iterator": _get_iterator}
+adapter.provide("input_position", HOOKS)
 
 
 def install(callback) -> None:
     """Put the epoch-iterator hooks into Keras for as long as ``callback`` lives (inert until a
     tfdp BackupAndRestore claims a fit's input)."""
-    from tfdp.keras import adapter
     adapter.use(callback, "input_position")
 
 

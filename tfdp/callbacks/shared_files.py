@@ -32,6 +32,7 @@ import shutil
 import tempfile
 
 from tfdp import compat
+from tfdp.keras import adapter
 from tfdp.strategy.role import worker_role
 
 def _role(callback):
@@ -94,19 +95,18 @@ def _csv_train_begin(original):
 
 HOOKS = {"backup_save": _backup_save, "backup_train_end": _backup_train_end,
          "checkpoint_save": _checkpoint_save, "csv_train_begin": _csv_train_begin}
+adapter.provide("shared_files", HOOKS)
 
 
 def install(strategy) -> None:
     """Make Keras's file-writing callbacks safe for as long as ``strategy`` lives (only when
     ``strategy`` has several workers)."""
-    from tfdp.keras import adapter
     if worker_role(strategy).count >= 2:
         adapter.use(strategy, "shared_files")
 
 
 def installed() -> bool:
     """Whether the hooks are in Keras now."""
-    from tfdp.keras import adapter
     return adapter.users("shared_files") > 0
 
 

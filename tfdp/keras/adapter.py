@@ -2,10 +2,13 @@
 ``sys.excepthook``), in one table, present only while something of tfdp uses it.
 
 A hook set is a group of wrappers (``tfdp.compat.wrap``; ``tfdp.compat.unwrap`` takes them out
-and puts Keras's own functions back exactly). Each set is counted by its users, weakly held
+and puts Keras's own functions back exactly). The table below is every set: where it wraps and
+who uses it; the module that owns a set's hooks provides them when it is imported
+(``provide``; the adapter imports none of them). Each set is counted by its users, weakly held
 objects: ``use(owner, *sets)`` installs the sets the first user needs, and they are removed when
 the last user is garbage-collected or released (``release(owner)``). Nothing of tfdp is in Keras
-in a process that imported tfdp without creating a strategy, or once its strategies are gone.
+in a process that imported tfdp without creating a strategy, or once its strategies are gone
+(``tests/test_adapter_scope.py`` compares such processes with one that never imported tfdp).
 
 ========================  ========================================  ==============================
 set                       what it wraps                             used by
@@ -52,67 +55,45 @@ from tfdp import compat as tfp
 
 
 class HookSet:
-    """A group of wrappers at ``points()`` ({name: (owner, attribute)}) made by ``hooks()``
-    ({name: make(original) -> replacement}), under one ``marker``."""
+    """A group of wrappers at ``points()`` ({name: (owner, attribute)}) under one ``marker``; the
+    module that owns the hooks provides them (``provide``: {name: make(original) ->
+    replacement}, and optionally its own install / remove)."""
 
-    def __init__(self, name, points, hooks, marker, install=None, remove=None):
-        self.name = name
-        self._points, self._hooks, self.marker = points, hooks, marker
-        self._install, self._remove = install, remove  # (a module's own install / remove)
+    def __init__(self, name, points, marker):
+        self.name, self._points, self.marker = name, points, marker
+        self.hooks = None                    # set by provide()
+        self._install = self._remove = None  # (a module's own install / remove)
 
     def points(self):
         return self._points()
 
     def install(self) -> None:
+        if self.hooks is None:
+            raise RuntimeError(f"tfdp: hook set {self.name!r} used before its module provided "
+                               "its hooks")
         if self._install is not None:
             self._install()
         else:
-            tfp.wrap(self._points(), self._hooks(), self.marker)
+            tfp.wrap(self._points(), self.hooks, self.marker)
 
     def remove(self) -> None:
         if self._remove is not None:
             self._remove()
         else:
-            tfp.unwrap(self._points(), list(self._hooks()), self.marker)
+            tfp.unwrap(self._points(), list(self.hooks), self.marker)
 
     def installed(self) -> list[str]:
         """The names of this set's points that carry its wrapper now."""
         return tfp.wrapped(self._points(), self.marker)
 
 
-def _gradient_path_hooks():
-    from tfdp.keras import gradient_path
-    return gradient_path._HOOKS  # pylint: disable=protected-access
-
-
-def _perf_hooks():
-    from tfdp.keras import gradient_path
-    return gradient_path._PERF_HOOKS  # pylint: disable=protected-access
-
-
-def _gradient_path_install():
-    from tfdp.keras import gradient_path
-    gradient_path.install()  # (refuses an unsupported Keras first)
-
-
-def _gradient_path_remove():
-    from tfdp.keras import gradient_path
-    gradient_path.remove()
-
-
-def _zero_hooks():
-    from tfdp.zero import hooks
-    return hooks.HOOKS
-
-
-def _input_position_hooks():
-    from tfdp.callbacks import input_position
-    return input_position.HOOKS
-
-
-def _shared_files_hooks():
-    from tfdp.callbacks import shared_files
-    return shared_files.HOOKS
+def provide(name, hooks, install=None, remove=None) -> None:
+    """Called by the module that owns hook set ``name`` when it is imported (the adapter imports
+    none of them): its hooks, and optionally its own install / remove (which must wrap and unwrap
+    exactly these hooks)."""
+    hook_set = SETS[name]
+    hook_set.hooks = dict(hooks)
+    hook_set._install, hook_set._remove = install, remove
 
 
 def _subset(points, names):
@@ -123,36 +104,28 @@ def _peer_failure_points():
     return {"excepthook": (sys, "excepthook")}
 
 
-def _peer_failure_hooks():
-    from tfdp import failures
-    return {"excepthook": failures.PeerFailureHook}
-
-
-_DEVICE_ALIAS = {}  # "device" -> the make() of the alias in force (set by use_device_alias)
-
-
 def _device_alias_points():
     return {"device": (tfp.eager_context(), "device")}
 
 
+def _points(name):
+    return lambda: getattr(tfp, name)()  # (tfdp.compat loads TensorFlow only when called)
+
+
 _CALLBACK_MARKER = "__tfdp_callbacks_original__"
 SETS = {s.name: s for s in (
-    HookSet("gradient_path", tfp.keras_hook_points, _gradient_path_hooks, "__tfdp_original__",
-            install=_gradient_path_install, remove=_gradient_path_remove),
-    HookSet("perf", tfp.keras_perf_hook_points, _perf_hooks, "__tfdp_original__"),
-    HookSet("zero", tfp.keras_zero_hook_points, _zero_hooks, "__tfdp_zero_original__"),
+    HookSet("gradient_path", _points("keras_hook_points"), "__tfdp_original__"),
+    HookSet("perf", _points("keras_perf_hook_points"), "__tfdp_original__"),
+    HookSet("zero", _points("keras_zero_hook_points"), "__tfdp_zero_original__"),
     HookSet("input_position",
-            _subset(tfp.keras_callbacks_hook_points,
-                    ("epoch_iterator_init", "epoch_iterator_get_iterator")),
-            _input_position_hooks, _CALLBACK_MARKER),
+            _subset(_points("keras_callbacks_hook_points"),
+                    ("epoch_iterator_init", "epoch_iterator_get_iterator")), _CALLBACK_MARKER),
     HookSet("shared_files",
-            _subset(tfp.keras_callbacks_hook_points,
+            _subset(_points("keras_callbacks_hook_points"),
                     ("backup_save", "backup_train_end", "checkpoint_save", "csv_train_begin")),
-            _shared_files_hooks, _CALLBACK_MARKER),
-    HookSet("peer_failure", _peer_failure_points, _peer_failure_hooks,
-            "__tfdp_peer_failure_original__"),
-    HookSet("device_alias", _device_alias_points, lambda: dict(_DEVICE_ALIAS),
-            "__tfdp_device_alias_original__"),
+            _CALLBACK_MARKER),
+    HookSet("peer_failure", _peer_failure_points, "__tfdp_peer_failure_original__"),
+    HookSet("device_alias", _device_alias_points, "__tfdp_device_alias_original__"),
 )}
 STRATEGY_SETS = ("gradient_path", "perf")  # what every tfdp strategy uses
 
@@ -244,10 +217,13 @@ def _release_now(names) -> None:
 
 def use_device_alias(owner, make) -> None:
     """Install ``make`` (make(Context.device bound method) -> replacement) as the eager context's
-    ``device`` for as long as ``owner`` lives (``device_alias``; one alias per process)."""
-    _DEVICE_ALIAS["device"] = make
+    ``device`` for as long as ``owner`` lives (``device_alias``; one alias per process: the
+    first one in force stays while any owner lives)."""
+    with _lock:
+        if not _users.get("device_alias"):
+            provide("device_alias", {"device": make})
     use(owner, "device_alias")
 
 
-__all__ = ["HookSet", "SETS", "STRATEGY_SETS", "installed", "release", "use",
+__all__ = ["HookSet", "SETS", "STRATEGY_SETS", "installed", "provide", "release", "use",
            "use_device_alias", "users"]

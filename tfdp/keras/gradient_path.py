@@ -52,7 +52,7 @@ import weakref
 import tensorflow as tf
 
 from tfdp import compat as tfp
-from tfdp.keras import losses
+from tfdp.keras import adapter, losses
 from tfdp.keras.step import StepContext, is_tfdp, running  # noqa: F401 (the strategy's names)
 from tfdp.keras.step import current as _current
 
@@ -125,7 +125,7 @@ def zero_if_empty(grads, mask):
     return out
 
 
-# --- the hooks (installed once, by the first tfdp strategy) -----------------------------------
+# --- the hooks (in Keras while a tfdp strategy lives: tfdp.keras.adapter) ---------------------
 
 def _apply(original):
     def apply(self, grads, trainable_variables=None):
@@ -393,6 +393,9 @@ def remove() -> None:
         tfp.unwrap(tfp.keras_hook_points(), list(_HOOKS))
         _installed = False
 
+
+adapter.provide("gradient_path", _HOOKS, install=install, remove=remove)
+adapter.provide("perf", _PERF_HOOKS)
 
 __all__ = ["StepContext", "install", "remove", "running", "reduce_gradients",
            "in_keras_symbolic_build", "accumulation_steps", "linear_in_gradient",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdp import compat as tfp
+from tfdp.keras import adapter
 
 
 def current_zero():
@@ -63,9 +64,11 @@ HOOKS = {"build": _build, "backend_apply_gradients": _backend_apply_gradients,
          "apply": _apply, "loss_scale_apply": _apply}  # (at compat.keras_zero_hook_points)
 
 
+adapter.provide("zero", HOOKS)
+
+
 def install(strategy) -> None:
     """Put the hooks into Keras for as long as ``strategy`` lives (the adapter counts users)."""
-    from tfdp.keras import adapter
     adapter.use(strategy, "zero")
 
 
