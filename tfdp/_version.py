@@ -1,1 +1,3 @@
+"""tfdp's version (read by setup.py and ``tfdp --version``)."""
+
 __version__ = "0.1.0"

@@ -75,7 +75,7 @@ NAMES: tuple[Private, ...] = (
             "copies of a variable created inside a tf.function take the primary's value"),
     Private(_CARS, "_initialize_local_devices", "override",
             "every local device of a worker (TF's uses CPU:0 or the GPUs only)"),
-    Private(_CARS, "_cross_device_ops", "state", "swap in tfdp's MultiWorkerReduce"),
+    Private(_CARS, "_cross_device_ops", "state", "swap in tfdp's reducer (tfdp.reduce.Reducer)"),
     Private(_CARS, "_num_workers", "state", "the job's worker count"),
     Private(_CARS, "_task_type", "state", "this task's job name (device aliasing)"),
     Private(_CARS, "_task_id", "state", "this task's index (device aliasing)"),

@@ -2,7 +2,7 @@
 
 Each takes ``finish(t, index)``, applied exactly once to each summed piece on the device that
 holds it (``index`` is that device's local position): the bucket pipeline's decode and mean
-scaling, and, across workers, the cross-worker collective first (``tfdp.reduce.hierarchical``).
+scaling, and, across workers, the cross-worker collective first (``tfdp.reduce.cross_worker``).
 
 * ``tree`` ("fused"): a pairwise tree of adds spread over the devices, finished on device 0, then
   copied to every device.

@@ -2,9 +2,9 @@
 
 Group keys. TF's own ``CollectiveKeys`` (initial-value broadcast, TF's CollectiveAllReduce used
 for gather) hand out small group keys from 1; tfdp's groups live far above: the cross-worker
-groups of ``tfdp.reduce.hierarchical`` at ``CROSS_WORKER_GROUP_BASE + local device index``, the
+groups of ``tfdp.reduce.cross_worker`` at ``CROSS_WORKER_GROUP_BASE + local device index``, the
 replica-context groups of ``tfdp.reduce.collective`` at ``REPLICA_GROUP_BASE + n`` (one per
-reducer, drawn in construction order, which is the same on every worker: same program).
+reducer's replica-context collectives, drawn in construction order, which is the same on every worker: same program).
 
 Instance keys are drawn at run time from one counter per replica device:
 

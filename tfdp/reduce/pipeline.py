@@ -3,11 +3,11 @@
     plan buckets -> per replica: weight, pre-scale, encode, pack -> stage -> decode, post-scale
     -> unpack
 
-``all_reduce_dense`` runs it for the local reducer (``tfdp.reduce.local``: the stage is a local
-algorithm of ``tfdp.reduce.algorithms``), the cross-worker reducer (``tfdp.reduce.hierarchical``:
-a local algorithm whose finished pieces first cross the workers) and the replica-context reducer
-(``tfdp.reduce.collective``: one replica's buffer into one collective). What differs between them
-is only the stage.
+The reducer (``tfdp.reduce.reducer.Reducer``) runs it for every dense reduction; what differs is
+only the stage: a local algorithm of ``tfdp.reduce.algorithms`` (one process), the same whose
+finished pieces first cross the workers (``tfdp.reduce.cross_worker``), one replica's buffer into
+one collective (a replica context, ``tfdp.reduce.collective``), or a tree finished on a
+variable's owner (``tfdp.reduce.owner``).
 
 * Weights: replica r's float values are multiplied by ``weights[r]`` (``multiply_no_nan``: an
   empty replica of weight 0 adds nothing, even where its values are NaN).
