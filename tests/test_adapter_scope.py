@@ -210,3 +210,74 @@ def test_the_check_tells_a_process_with_a_live_strategy_apart(clean, tmp_path):
         ("_save_model", "on_train_end", "on_train_begin"))), differ
     assert snap["tfdp_things"]
     np.testing.assert_array_equal(weights, clean_weights)  # (the hooks pass through)
+
+
+# --- the mechanism, in this process (no TensorFlow needed) -------------------------------------
+
+class _Base:
+    def method(self, x):
+        return ("base", x)
+
+
+def _tagging(tag):
+    def make(original):
+        def wrapper(self, x):
+            return (tag, original(self, x))
+        return wrapper
+    return make
+
+
+def test_unwrap_puts_the_original_back_exactly_in_any_order():
+    from tfdp import compat
+
+    class Sub(_Base):
+        def own(self, x):
+            return ("own", x)
+
+    points = {"inherited": (Sub, "method"), "own": (Sub, "own")}
+    own_original = Sub.__dict__["own"]
+    compat.wrap(points, {"inherited": _tagging("a"), "own": _tagging("a")}, "__a__")
+    compat.wrap(points, {"inherited": _tagging("b"), "own": _tagging("b")}, "__b__")
+    compat.wrap(points, {"inherited": _tagging("b")}, "__b__")  # idempotent
+    assert Sub().method(1) == ("b", ("a", ("base", 1)))
+    assert compat.wrapped(points, "__a__") == ["inherited", "own"]
+    compat.unwrap(points, ["inherited", "own"], "__a__")  # the inner layer first
+    assert Sub().method(1) == ("b", ("base", 1)) and Sub().own(2) == ("b", ("own", 2))
+    assert compat.wrapped(points, "__a__") == []
+    compat.unwrap(points, ["inherited", "own"], "__b__")
+    assert "method" not in Sub.__dict__ and Sub.method is _Base.method  # inherited: deleted
+    assert Sub.__dict__["own"] is own_original
+    compat.unwrap(points, ["inherited", "own"], "__b__")  # nothing left: no-op
+    assert _Base.__dict__["method"](None, 3) == ("base", 3)
+
+
+def test_hook_sets_are_counted_by_live_users(monkeypatch):
+    import gc
+
+    from tfdp.keras import adapter
+
+    class Owner:
+        pass
+
+    class Target:
+        def method(self, x):
+            return ("target", x)
+
+    original = Target.__dict__["method"]
+    hook_set = adapter.HookSet("test", lambda: {"m": (Target, "method")}, "__tfdp_test__")
+    monkeypatch.setitem(adapter.SETS, "test", hook_set)
+    adapter.provide("test", {"m": _tagging("tfdp")})
+    a, b = Owner(), Owner()
+    adapter.use(a, "test")
+    adapter.use(b, "test")
+    assert adapter.users("test") == 2 and Target().method(1) == ("tfdp", ("target", 1))
+    del a
+    gc.collect()
+    assert adapter.users("test") == 1 and Target().method(1) == ("tfdp", ("target", 1))
+    adapter.release(b)  # explicitly, before b is collected
+    assert adapter.users("test") == 0 and Target.__dict__["method"] is original
+    del b
+    gc.collect()
+    assert adapter.users("test") == 0 and Target.__dict__["method"] is original
+    with pytest.raises(KeyError, match="no hook set 'nope'"):
+        adapter.use(Owner(), "nope")
