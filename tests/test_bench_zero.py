@@ -13,7 +13,8 @@ from tfdp.errors import UsageError
 
 @pytest.mark.parametrize("argv,match", [
     (["--models", "vgg"], "Invalid --models"), (["--parts", "disk"], "Invalid --parts"),
-    (["--workers", "1"], "Invalid --workers"), (["--rounds", "0"], "Invalid --rounds")])
+    (["--workers", "1"], "Invalid --workers"), (["--rounds", "0"], "Invalid --rounds"),
+    (["--workers", "2", "--worker-replicas", "0"], "Invalid --worker-replicas")])
 def test_bad_arguments_are_one_line_usage_errors(argv, match):
     with pytest.raises(UsageError, match=match):
         zero.parse_args(argv)
@@ -32,6 +33,15 @@ def test_format_from_raw_figures():
     row = next(ln for ln in text.splitlines() if ln.startswith("recommender  51.2 MB"))
     assert "102.4 MB" in row and "25.6 MB" in row and "0.25" in row and "0.47" in row
     assert "4.00x (3.00-5.00)" in text and "4.20x (3.10-5.20)" in text
+    # across workers: each optimizer's contenders against its own unsharded run
+    result["workers"] = {"workers": 2, "replicas_per_worker": 4, "results": [
+        {"contender": "unsharded, momentum", "step_ms": 300.0, "ratio": 1.0,
+         "spread": [1.0, 1.0], "largest_share": None},
+        {"contender": "owners per worker (tfdp), momentum", "step_ms": 100.0, "ratio": 3.0,
+         "spread": [2.5, 3.5], "largest_share": 0.251}]}
+    text = zero.format_zero(result)
+    assert "Across 2 workers x 4 replicas" in text and "with momentum" in text
+    assert "3.00x (2.50-3.50)" in text and "25.1 %" in text
 
 
 @pytest.mark.timeout(300)

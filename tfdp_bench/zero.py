@@ -12,7 +12,8 @@ Three parts, each contender side by side with the others:
   and ``zero_stage=2``; and ``tfdp bench fit``'s dense MLP (60 x 64, batch 256) with its SGD, with
   momentum and with Adam, unsharded vs ``zero_stage=1``; warmed up, then alternating rounds;
   the median steady step (batch end to batch end) and ratios of medians with their spread;
-* ``--workers N``: the recommender fit with Adam in one job of N local workers x 2 replicas:
+* ``--workers N``: the recommender fit with Adam and with momentum in one job of N local
+  workers x ``--worker-replicas`` replicas (default 2):
   unsharded, owners over each worker's replicas (the design tfdp uses), and owners over every
   replica of every worker (``TFDP_ZERO_SPAN=job``, the design measured against it).
 """
@@ -264,13 +265,18 @@ def _worker_main(config):
         ext.__dict__["_tfdp_zero_state"] = states[key]
 
     data = embedding._dataset(REC["vocab"], REC["ids"], REC["batch"])
-    keys = [(0, "worker"), (1, "worker"), (1, "job")]
-    names = ["unsharded", "owners per worker (tfdp)", "owners over all workers"]
+    # (optimizer, zero_stage, span): each optimizer's contenders against its own unsharded
+    plan = [("adam", 0, "worker"), ("adam", 1, "worker"), ("adam", 1, "job"),
+            ("momentum", 0, "worker"), ("momentum", 1, "worker")]
+    span_names = {(0, "worker"): "unsharded", (1, "worker"): "owners per worker (tfdp)",
+                  (1, "job"): "owners over all workers"}
+    keys = [(stage, span) for _, stage, span in plan]
+    names = [f"{span_names[(stage, span)]}, {opt}" for opt, stage, span in plan]
     cs = []
-    for key, name in zip(keys, names):
-        use(key)
+    for (opt, stage, span), name in zip(plan, names):
+        use((stage, span))
         cs.append(_Fit(name, strategy, lambda: embedding.build_model(
-            REC["vocab"], REC["dim"], REC["ids"]), _optimizer("adam"), data, REC["batch"]))
+            REC["vocab"], REC["dim"], REC["ids"]), _optimizer(opt), data, REC["batch"]))
     for i, c in enumerate(cs):
         use(keys[i])
         c.fit(3)
@@ -282,16 +288,18 @@ def _worker_main(config):
     if strategy.cluster.rank == 0:
         plans = [states[k].plans[0].largest_share() if states[k] and states[k].plans else None
                  for k in keys]
-        print(RESULT_PREFIX + json.dumps({"names": names, "times": times,
+        base = [names.index(f"unsharded, {opt}") for opt, _, _ in plan]
+        print(RESULT_PREFIX + json.dumps({"names": names, "times": times, "base": base,
                                           "largest_share": plans}), flush=True)
 
 
-def run_workers(workers, rounds, steps, timeout, progress) -> dict:
+def run_workers(workers, rounds, steps, timeout, progress, replicas=2) -> dict:
     config = {"rounds": rounds, "steps": steps}
     cmd = [sys.executable, "-m", "tfdp", "launch", "--workers", str(workers), "--cpu-replicas",
-           "2", "--timeout", str(int(timeout)), "--", sys.executable, "-m", "tfdp_bench.zero",
+           str(replicas), "--timeout", str(int(timeout)), "--", sys.executable, "-m", "tfdp_bench.zero",
            "--worker-config", json.dumps(config)]
-    _common.progress(f"zero: {workers} workers x 2 replicas, recommender with Adam", progress)
+    _common.progress(f"zero: {workers} workers x {replicas} replicas, recommender with Adam and "
+                     "momentum", progress)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
     line = next((ln for ln in proc.stdout.splitlines() if RESULT_PREFIX in ln), None)
@@ -300,9 +308,10 @@ def run_workers(workers, rounds, steps, timeout, progress) -> dict:
         raise TfdpError(f"The {workers}-worker job failed. Received: exit code "
                         f"{proc.returncode}; last output:\n{tail}")
     raw = json.loads(line.split(RESULT_PREFIX, 1)[1])
-    return {"workers": workers, "replicas_per_worker": 2,
+    ratios = [_ratios(raw["times"], b)[i] for i, b in enumerate(raw["base"])]
+    return {"workers": workers, "replicas_per_worker": replicas,
             "results": [dict(contender=n, largest_share=s, **r) for n, s, r in
-                        zip(raw["names"], raw["largest_share"], _ratios(raw["times"], 0))]}
+                        zip(raw["names"], raw["largest_share"], ratios)]}
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -310,7 +319,7 @@ def run_workers(workers, rounds, steps, timeout, progress) -> dict:
 def run_zero(cpu_replicas=4, models=MODELS, rounds=DEFAULTS["rounds"], steps=DEFAULTS["steps"],
              mlp_steps=DEFAULTS["mlp_steps"], memory_steps=DEFAULTS["memory_steps"],
              workers=0, parts=("memory", "speed"), timeout=DEFAULTS["timeout"],
-             progress=False) -> dict:
+             progress=False, worker_replicas=2) -> dict:
     out = {"benchmark": "zero", "cpu_replicas": cpu_replicas, "rounds": rounds, "steps": steps}
     if "memory" in parts:
         out["memory"] = run_memory(models, cpu_replicas, memory_steps, timeout, progress)
@@ -318,7 +327,7 @@ def run_zero(cpu_replicas=4, models=MODELS, rounds=DEFAULTS["rounds"], steps=DEF
         devices = _common.configure_replicas(cpu_replicas)
         out["speed"] = run_speed(devices, rounds, steps, mlp_steps, progress)
     if workers:
-        out["workers"] = run_workers(workers, rounds, steps, timeout, progress)
+        out["workers"] = run_workers(workers, rounds, steps, timeout, progress, worker_replicas)
     out["environment"] = _common.environment()
     return out
 
@@ -368,7 +377,8 @@ def format_zero(result: dict) -> str:
     w = result.get("workers")
     if w:
         lines += ["", f"Across {w['workers']} workers x {w['replicas_per_worker']} replicas on "
-                      "127.0.0.1, recommender with Adam:", ""]
+                      "127.0.0.1, recommender with Adam and with momentum (each against its "
+                      "own unsharded run):", ""]
         rows = [[r["contender"], f"{r['step_ms']:.1f}",
                  f"{r['ratio']:.2f}x ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
                  "-" if r["largest_share"] is None else f"{100 * r['largest_share']:.1f} %"]
@@ -394,7 +404,9 @@ def build_parser() -> BenchParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name],
                        metavar="N", help=f"default: {DEFAULTS[name]}")
     p.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="also the recommender across N local workers x 2 replicas (default: 0)")
+                   help="also the recommender across N local workers (default: 0)")
+    p.add_argument("--worker-replicas", type=int, default=2, metavar="K",
+                   help="CPU replicas per worker with --workers (default: 2)")
     p.add_argument("--memory-child", help="(internal: one memory contender)")
     p.add_argument("--worker-config", help="(internal: run as one worker of the job)")
     return p
@@ -404,7 +416,8 @@ def parse_args(argv):
     args = build_parser().parse_args(argv)
     if args.memory_child or args.worker_config:
         return args
-    for name in ("cpu_replicas", "rounds", "steps", "mlp_steps", "memory_steps", "timeout"):
+    for name in ("cpu_replicas", "rounds", "steps", "mlp_steps", "memory_steps", "timeout",
+                 "worker_replicas"):
         check_positive("--" + name.replace("_", "-"), getattr(args, name))
     args.models = split_list(args.models)
     bad = [m for m in args.models if m not in MODELS]
@@ -432,7 +445,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     result = run_zero(args.cpu_replicas, args.models, args.rounds, args.steps, args.mlp_steps,
                       args.memory_steps, args.workers, args.parts, args.timeout,
-                      progress=not args.quiet)
+                      progress=not args.quiet, worker_replicas=args.worker_replicas)
     result["seconds"] = time.perf_counter() - t0
     print(format_zero(result), flush=True)
     if args.json:
