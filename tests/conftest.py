@@ -239,3 +239,25 @@ def tfdp_cli(capsys, monkeypatch):
         return int(code), out, err
 
     return run
+
+
+class _OneDevice:
+    """Session-wide memo of one-device reference results (the ``one_device`` fixture)."""
+
+    def __init__(self):
+        self._values = {}
+
+    def __call__(self, key, compute):
+        """``compute()``'s result for ``key``, computed once per test session. Keep results to
+        values (numpy arrays, histories), never models a test could change."""
+        if key not in self._values:
+            self._values[key] = compute()
+        return self._values[key]
+
+
+@pytest.fixture(scope="session")
+def one_device():
+    """One-device reference fits shared by the tests that compare with the same one:
+    ``one_device(key, compute)`` computes once per session (same values as computing it in each
+    test: the same seeds, data and batches)."""
+    return _OneDevice()
