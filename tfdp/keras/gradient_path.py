@@ -45,7 +45,6 @@ strategy lives (``tfdp.keras.adapter``: sets ``gradient_path`` and ``perf``).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 
@@ -182,24 +181,6 @@ def _all_reduce_sum_gradients(original):
     return all_reduce_sum_gradients
 
 
-class _SparseReads:
-    enabled = True
-
-
-_sparse_reads = _SparseReads()
-
-
-@contextlib.contextmanager
-def keras_table_reads():
-    """While steps are traced in this block, embedding lookups read the whole table as Keras
-    does (the benchmarks' "before" contender, ``tfdp.bench.embedding``)."""
-    previous, _sparse_reads.enabled = _sparse_reads.enabled, False
-    try:
-        yield
-    finally:
-        _sparse_reads.enabled = previous
-
-
 _row_updated = weakref.WeakValueDictionary()  # id(Keras variable) -> it: updated by scatters
 
 
@@ -231,7 +212,7 @@ def _take(original):
     Keras's TensorFlow ``take`` converts the variable to a tensor first. Once an optimizer has
     updated the table with a scatter (a sparse gradient), TF keeps the variable in copy-on-read
     mode, so that read copies the whole table, on every replica, every step: measured 75% of the
-    step of a 200,000 x 64 embedding model on 4 CPU replicas (``tfdp.bench.embedding``). The rows
+    step of a 200,000 x 64 embedding model on 4 CPU replicas (``tfdp bench embedding``). The rows
     are the same values (negative ids wrap, as Keras's ``take`` does), and the gradient is the
     same ``IndexedSlices``. Only for tables updated by scatters: a sparse read puts the table in
     copy-on-read mode too, and then every dense update (momentum, Adam: Keras builds a dense
@@ -239,7 +220,7 @@ def _take(original):
     """
     def take(x, indices, axis=None):
         cur = _current()
-        if (axis == 0 and cur is not None and _sparse_reads.enabled
+        if (axis == 0 and cur is not None
                 and _row_updated.get(id(x)) is x):
             table = tfp.keras_variable_storage(x)
             if (table is not None and table.shape.rank and table.shape[0] is not None
@@ -399,4 +380,4 @@ adapter.provide("perf", _PERF_HOOKS)
 
 __all__ = ["StepContext", "install", "remove", "running", "reduce_gradients",
            "in_keras_symbolic_build", "accumulation_steps", "linear_in_gradient",
-           "keras_table_reads", "check_keras"]
+           "check_keras"]

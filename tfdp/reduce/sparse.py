@@ -12,7 +12,7 @@ The sum of IndexedSlices is their concatenation, so a sparse gradient can be red
   Embedding variables).
 
 The rule (:func:`choose`): gather while ``gathered_bytes <= ratio * table_bytes``, densify
-beyond, with ``ratio`` measured by ``python -m tfdp.bench.sparse`` (docs/benchmarks/sparse.txt):
+beyond, with ``ratio`` measured by ``tfdp bench sparse`` (docs/benchmarks/sparse.txt):
 
 * within one process (CPU replicas share memory): densifying costs at least the concatenation
   the gather does, so gather is cheaper at every measured ratio (``LOCAL_GATHER_MAX_RATIO`` is

@@ -6,6 +6,7 @@ describe a cluster) and the worker role every tfdp component asks for.
   ``tf.distribute.MultiWorkerMirroredStrategy``, as Keras needs for cross-worker outputs).
 * ``extended.py``: the extended both share: the Keras step path (replica shares, empty
   replicas, BatchNorm sync, XLA rules, the gradient reduction the gradient path calls).
+* ``api.py``: both classes as users reach them (the multi-worker one registered).
 * ``settings.py``: the keyword arguments both accept, validated once.
 * ``role.py``: ``worker_role(strategy)``: rank, worker count and chief, for any strategy.
 
@@ -15,9 +16,9 @@ Names are imported when first used, so ``import tfdp.strategy`` does not start T
 __all__ = ["DataParallelStrategy", "MultiWorkerDataParallelStrategy", "WorkerRole",
            "uneven_reduce_error", "worker_role"]
 
-_LAZY = {"DataParallelStrategy": "tfdp.strategy.local",
-         "uneven_reduce_error": "tfdp.strategy.local",
-         "MultiWorkerDataParallelStrategy": "tfdp.strategy.multiworker",
+_LAZY = {"DataParallelStrategy": "tfdp.strategy.api",
+         "uneven_reduce_error": "tfdp.strategy.api",
+         "MultiWorkerDataParallelStrategy": "tfdp.strategy.api",
          "WorkerRole": "tfdp.strategy.role", "worker_role": "tfdp.strategy.role"}
 
 

@@ -57,7 +57,7 @@ def set_default_strategy(strategy=None, /, **kwargs):
             "strategy", strategy, what="Expected a tf.distribute.Strategy",
             fix="Pass e.g. tfdp.DataParallelStrategy(), or nothing to create one.")
     if strategy is None:
-        from tfdp.strategy.local import DataParallelStrategy
+        from tfdp.strategy.api import DataParallelStrategy
         strategy = DataParallelStrategy(**kwargs)
     try:
         tf.distribute.experimental_set_strategy(strategy)

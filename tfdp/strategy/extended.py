@@ -384,7 +384,7 @@ class DataParallelExtendedBase:
         if (options is None and len(self.worker_devices) == 1
                 and self._num_workers_in_job() == 1):
             # One replica: iterate the dataset as Keras does without a strategy (a
-            # MultiDeviceIterator cost 5% of an MLP step, tfdp.bench.overhead); there is no
+            # MultiDeviceIterator cost 5% of an MLP step, tfdp bench overhead); there is no
             # rebatch, so no slice of the user's memory either.
             return OneReplicaDataset(dataset)
         # A Python-function source (Keras's PyDataset / generator adapters) hands numpy memory

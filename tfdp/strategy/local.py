@@ -86,12 +86,17 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __new__(cls, devices=None, *, cluster_resolver=None, cluster=None, **kwargs):
         # Same script, no code change: a cluster of several workers gives the multi-worker
         # strategy. Python then runs *its* __init__ with these same arguments.
+        # (The multi-worker class registers itself here when tfdp.strategy.multiworker is
+        # imported, which every public path to this class does: tfdp.strategy.api.)
         del devices, kwargs
         if cls is DataParallelStrategy:
             info = cluster if cluster is not None else _resolve_cluster(cluster_resolver)
             if getattr(info, "num_workers", 1) > 1:
-                from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
-                return super().__new__(MultiWorkerDataParallelStrategy)
+                multi_worker = DataParallelStrategy.__dict__.get("_multi_worker_class")
+                if multi_worker is None:
+                    raise ImportError("tfdp.strategy.multiworker is not imported: use "
+                                      "tfdp.DataParallelStrategy (tfdp.strategy.api).")
+                return super().__new__(multi_worker)
         return super().__new__(cls)
 
     def __init__(self, devices=None, *, all_reduce: str = "auto", bucket_bytes: int | None = None,

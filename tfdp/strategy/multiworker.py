@@ -437,4 +437,7 @@ def _check_local_devices(worker_devices, requested):
                 devices_lib.cpu_replicas_from_env()))
 
 
+# ``DataParallelStrategy()`` in a cluster of several workers returns this class (its __new__).
+DataParallelStrategy._multi_worker_class = MultiWorkerDataParallelStrategy
+
 __all__ = ["MultiWorkerDataParallelStrategy"]
