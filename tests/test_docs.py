@@ -18,7 +18,7 @@ browser, and every code block on it runs as written.
   the instant ones (``--help``; ``scaling`` without ``--measure``); ``toml`` blocks must name the
   file they quote (``# path (excerpt)``) and match it. A command the README also shows runs once,
   in tests/test_readme.py. A block after ``<!-- docs-test: skip (reason) -->`` is not run. The
-  runs are marked ``slow`` and ``multiprocess``.
+  runs are ``slow`` and, by their ``run_process`` fixture, ``e2e``.
 * Figures and tables stated in two places stay equal: the supported-versions table (README and
   docs/install.md, both checked against setup.py and .ci/run), the suite's duration (README and
   docs/development.md), and the ``tfdp bench`` commands (docs/reference/cli.md lists exactly
