@@ -65,13 +65,8 @@ class ReplicaCollectives:
         # collectives of a device then run in program order (NCCL needs the same order on every
         # device), and CPU collectives among the devices of one process need it to run at all
         # (measured: without a token, 4 logical CPUs time out waiting for each other).
-        with tf.init_scope():
-            self._tokens = []
-            for d in self.devices:
-                with tf.device(d):
-                    self._tokens.append(tf.Variable(0.0, trainable=False,
-                                                    name="tfdp_replica_collective_order"))
-            self._keys = keys.InstanceKeys(self.devices, "tfdp_replica_collective_key")
+        self._tokens = keys.ordering_tokens(self.devices, "tfdp_replica_collective_order")
+        self._keys = keys.InstanceKeys(self.devices, "tfdp_replica_collective_key")
 
     def __repr__(self):
         return f"ReplicaCollectives(replicas={self.group_size}, workers={self.num_workers})"

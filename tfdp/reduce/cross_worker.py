@@ -40,14 +40,8 @@ class CrossWorker:
         # NCCL needs every worker to launch collectives in the same order: each collective on a
         # GPU takes its device's ordering token (a resource), so TF's automatic control
         # dependencies run them in program order (as TF's own CollectiveReplicaLauncher does).
-        self._tokens = None
-        if self.gpu:
-            with tf.init_scope():
-                self._tokens = []
-                for d in self.devices:
-                    with tf.device(d):
-                        self._tokens.append(tf.Variable(0.0, trainable=False,
-                                                        name="tfdp_collective_order"))
+        self._tokens = (keys.ordering_tokens(self.devices, "tfdp_collective_order") if self.gpu
+                        else None)
         self._keys = keys.InstanceKeys(self.devices, "tfdp_cross_worker_key")
 
     def _ordering_token(self, index):

@@ -84,5 +84,17 @@ class InstanceKeys:
             return tf.cast(counter.assign_add(1), tf.int32)
 
 
+def ordering_tokens(devices, name: str):
+    """One ordering token (a resource variable) per device, as TF's CollectiveReplicaLauncher
+    keeps: each collective of a device takes its token, so TF's automatic control dependencies
+    run a device's collectives in program order. Create outside any strategy scope."""
+    with tf.init_scope():
+        tokens = []
+        for d in devices:
+            with tf.device(d):
+                tokens.append(tf.Variable(0.0, trainable=False, name=name))
+    return tokens
+
+
 __all__ = ["CROSS_WORKER_GROUP_BASE", "InstanceKeys", "REPLICA_GROUP_BASE",
-           "cross_worker_group_key", "new_replica_group_key"]
+           "cross_worker_group_key", "new_replica_group_key", "ordering_tokens"]
