@@ -163,6 +163,7 @@ def release(owner) -> None:
     """Release every hook set ``owner`` uses now (as its garbage collection would)."""
     with _lock:
         leases = list(_leases.get(id(owner), ()))
+    _drain()  # (a finalizer that ran meanwhile found the table busy)
     for lease in leases:
         lease()
 
@@ -222,6 +223,7 @@ def use_device_alias(owner, make) -> None:
     with _lock:
         if not _users.get("device_alias"):
             provide("device_alias", {"device": make})
+    _drain()
     use(owner, "device_alias")
 
 
