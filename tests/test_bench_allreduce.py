@@ -147,6 +147,13 @@ def test_job_specs_and_tcp_reference():
     specs = workers.job_specs(["fused", "ring"], [None], [None, "fp16"])
     assert [s["name"] for s in specs] == ["tfdp fused", "tfdp fused fp16", "tfdp ring",
                                           "tfdp ring fp16", "MultiWorkerMirroredStrategy"]
+    # compressions of one algorithm share a job (their samples alternate); MWMS has its own
+    jobs = workers.jobs_of(specs)
+    assert [[v["name"] for v in j["variants"]] for j in jobs] == [
+        ["tfdp fused", "tfdp fused fp16"], ["tfdp ring", "tfdp ring fp16"],
+        ["MultiWorkerMirroredStrategy"]]
+    assert [v["compression"] for v in jobs[0]["variants"]] == [None, "fp16"]
+    assert jobs[2]["kind"] == "mwms" and jobs[0]["name"] == "tfdp fused + tfdp fused fp16"
     assert workers._split_counts(4096, 3) == [341, 341, 342]
     assert workers._split_counts(4, 8) == [1]
     refs = workers.measure_references([4096, 1 << 20], repeats=2)

@@ -1,11 +1,14 @@
 """``tfdp bench allreduce --workers N``: cross-worker all-reduce over loopback, tfdp vs MWMS.
 
-Every contender runs as its own job of N local worker processes started through
-``tfdp.launch`` (127.0.0.1, free ports, a hard timeout per job), because TF's collective runtime
-is configured once per process (a second multi-worker strategy in one process hangs). In each job
-every worker times a replica-context ``all_reduce(SUM)`` of the same float32 tensors for every
-size (``--repeats`` samples per size, each sample repeating the step for about 20 ms), checks the
-result once against the float32 sum, and worker 0 prints its figures as one JSON line. Contenders:
+Contenders run in jobs of N local worker processes started through ``tfdp.launch`` (127.0.0.1,
+free ports, a hard timeout per job): one job per multi-worker strategy, because TF's collective
+runtime is configured once per process (a second multi-worker strategy in one process hangs).
+tfdp's contenders that differ only in ``--compression`` share one job: the reducer's compression
+is read when each one's step is traced, and their samples alternate in the same processes, so
+the drift between jobs stays out of their ratios (``jobs_of``). In each job every worker times a
+replica-context ``all_reduce(SUM)`` of the same float32 tensors for every size (``--repeats``
+samples per size and contender, each sample repeating the step for about 20 ms), checks each
+result once against the float32 sum, and worker 0 prints one JSON line per contender. Contenders:
 
 * ``tfdp ALG [fp16|bf16]``: ``tfdp.MultiWorkerDataParallelStrategy(all_reduce=ALG,
   compression=...)``, one per ``--algorithms`` x ``--bucket-bytes`` x ``--compression``;
@@ -68,108 +71,6 @@ def _split_counts(nbytes: int, tensors: int) -> list[int]:
 
 # --- the worker side -----------------------------------------------------------------------------
 
-def _child(spec: dict) -> int:
-    """In each launched worker: time all_reduce(SUM) of every size; worker 0 prints the result."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    kind = spec["kind"]
-    if kind == MWMS_KIND:
-        import tensorflow as tf
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        info = {"cross_device_ops": _common.describe_cross_device_ops(strategy)}
-    else:
-        from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
-        strategy = MultiWorkerDataParallelStrategy(all_reduce=spec["algorithm"],
-                                                   bucket_bytes=spec["bucket_bytes"],
-                                                   compression=spec["compression"])
-        import tensorflow as tf
-        info = {"algorithm": strategy.all_reduce, "bucket_bytes": strategy.bucket_bytes,
-                "compression": strategy.compression}
-    import numpy as np
-
-    rank = int(os.environ.get("TFDP_WORKER_RANK", "0"))
-    replicas = strategy.num_replicas_in_sync
-    tol = _common.CHECK_TOLERANCE[spec.get("compression")] * replicas
-
-    def say(text):
-        if rank == 0:
-            print(PROGRESS_MARK + text, file=sys.stderr, flush=True)
-
-    results = []
-    for nbytes in spec["sizes"]:
-        counts = _split_counts(nbytes, spec["tensors"])
-
-        def make(i, count, replica):
-            return tf.random.stateless_uniform([count], seed=[i, replica], minval=-1.0,
-                                               maxval=1.0)
-
-        values = strategy.experimental_distribute_values_from_function(
-            lambda ctx, counts=counts: [make(i, c, ctx.replica_id_in_sync_group)
-                                        for i, c in enumerate(counts)])
-
-        def reduce_fn(v):
-            if kind == MWMS_KIND:  # its one-device all_reduce needs device-placed values
-                with tf.device(strategy.extended.worker_devices[0]):
-                    v = [tf.identity(x) for x in v]
-            return tf.distribute.get_replica_context().all_reduce("SUM", v)
-
-        @tf.function
-        def full(vals):
-            return strategy.run(reduce_fn, args=(vals,))
-
-        @tf.function
-        def step(vals):
-            return strategy.run(lambda v: tf.add_n([o[0] for o in reduce_fn(v)]), args=(vals,))
-
-        def run_once():
-            return float(strategy.experimental_local_results(step(values))[0])
-
-        out = full(values)  # traces; the result is checked once against the float32 sum
-        for i, c in enumerate(counts):
-            got = strategy.experimental_local_results(out[i])[0].numpy()
-            want = np.sum([make(i, c, r).numpy() for r in range(replicas)], axis=0)
-            err = float(np.max(np.abs(got - want)))
-            if not err <= tol:
-                raise TfdpError(f"Wrong all-reduce result. Received: {kind} {info} on "
-                                f"{nbytes} bytes, tensor {i}: max error {err:.3g} (allowed "
-                                f"{tol:.3g}). This is a bug: please report it.")
-        del out, got, want
-        t0 = time.perf_counter()
-        run_once()  # traces
-        trace_s = time.perf_counter() - t0
-        run_once()
-        n = _iters(nbytes)
-        samples = []
-        for _ in range(spec["repeats"]):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                run_once()
-            samples.append((time.perf_counter() - t0) / n)
-        results.append({"bytes": sum(counts) * 4, "tensors": len(counts), "times_s": samples,
-                        "iters_per_sample": n, "trace_s": trace_s})
-        say(f"{_common.fmt_bytes(nbytes)} {statistics.median(samples) * 1e3:.3f} ms")
-    if rank == 0:
-        print(RESULT_MARK + json.dumps({"kind": kind, "replicas": replicas,
-                                        "local_devices": len(strategy.extended.worker_devices),
-                                        "info": info, "results": results,
-                                        "environment": _common.environment()}), flush=True)
-    # TF's multi-worker teardown at interpreter exit adds seconds to every job: skip it, but
-    # only once every worker has its last result (a collective's receiver pulls from the
-    # sender, so a worker that exits at once can still be needed). The barrier is a file per
-    # worker in the parent's directory (all workers are local); without it, exit normally.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    done_dir = spec.get("done_dir")
-    if done_dir and os.path.isdir(done_dir):
-        open(os.path.join(done_dir, f"done-{rank}"), "w").close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if all(os.path.exists(os.path.join(done_dir, f"done-{i}"))
-                   for i in range(spec["workers"])):
-                os._exit(0)
-            time.sleep(0.05)
-    return 0
-
-
 # --- the parent side: jobs -----------------------------------------------------------------------
 
 class _Capture(io.TextIOBase):
@@ -188,7 +89,7 @@ class _Capture(io.TextIOBase):
 
 
 def _run_job(spec: dict, workers: int, timeout: float, cpu_replicas=None,
-             on_progress=None) -> dict:
+             on_progress=None) -> list:
     from tfdp.launch import launch
     import tempfile
     out, err = _Capture(), _Capture(on_progress)
@@ -197,12 +98,12 @@ def _run_job(spec: dict, workers: int, timeout: float, cpu_replicas=None,
     env.pop("TFDP_CPU_REPLICAS", None)
     with tempfile.TemporaryDirectory(prefix="tfdp-bench-") as done_dir:
         spec = dict(spec, done_dir=done_dir, workers=workers)
-        cmd = [sys.executable, "-m", "tfdp_bench.workers", "--child-spec", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "tfdp_bench.workers_child", json.dumps(spec)]
         rc = launch(cmd, workers, cpu_replicas=cpu_replicas, timeout=timeout, env=env,
                     stdout=out, stderr=err)
     lines = [ln.split(RESULT_MARK, 1)[1] for ln in out.lines
              if ln.startswith("[worker 0] " + RESULT_MARK)]
-    if rc != 0 or not lines:
+    if rc != 0 or len(lines) != len(spec["variants"]):
         text = [ln for ln in out.lines + err.lines
                 if PROGRESS_MARK not in ln and "I0000 " not in ln and "absl::" not in ln]
         tails = []
@@ -214,7 +115,24 @@ def _run_job(spec: dict, workers: int, timeout: float, cpu_replicas=None,
         what = "timed out" if rc == 124 else f"failed (exit code {rc})"
         raise TfdpError(f"The benchmark job {spec['name']!r} {what} on {workers} workers. "
                         "The end of its output:\n" + "\n".join(tails))
-    return json.loads(lines[-1])
+    return [json.loads(ln) for ln in lines]
+
+
+def jobs_of(specs) -> list[dict]:
+    """The jobs that run ``specs``: tfdp's contenders that differ only in compression share one
+    job (their samples alternate in the same processes: the drift between jobs stays out of
+    their ratios); MultiWorkerMirroredStrategy has its own (one multi-worker strategy per
+    process)."""
+    jobs = {}
+    for s in specs:
+        key = (s["kind"], s["algorithm"], s["bucket_bytes"])
+        if key not in jobs:
+            jobs[key] = {k: v for k, v in s.items() if k not in ("name", "compression")}
+            jobs[key]["variants"] = []
+        jobs[key]["variants"].append({"name": s["name"], "compression": s["compression"]})
+    for job in jobs.values():
+        job["name"] = " + ".join(v["name"] for v in job["variants"])
+    return list(jobs.values())
 
 
 def job_specs(algorithms, bucket_bytes, compressions, include_mwms=True) -> list[dict]:
@@ -275,6 +193,7 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
     specs = job_specs(algorithms, bucket_bytes, compressions, include_mwms)
     for s in specs:
         s.update(sizes=sizes, tensors=tensors, repeats=repeats)
+    jobs = jobs_of(specs)
 
     start = time.monotonic()
 
@@ -292,11 +211,11 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
             for i in range(len(sizes)):
                 refs[key][i] += ref[key][i]
         iters["memory"], iters["tcp"] = ref["memory_iters"], ref["tcp_iters"]
-        for j in _common.round_order(len(specs), r):
-            spec = specs[j]
+        for j in _common.round_order(len(jobs), r):
+            spec = jobs[j]
             say(f"round {r + 1}/{rounds}: {spec['name']} ({workers} workers) starting")
             kw = dict(cpu_replicas=tfdp_cpu_replicas if spec["kind"] == "tfdp" else None,
-                      on_progress=lambda t, n=spec["name"]: say(f"  {n}: {t}"))
+                      on_progress=lambda t: say(f"  {t}"))
             try:
                 res = _run_job(spec, workers, timeout, **kw)
             except TfdpError as e:  # one retry: a busy shared host can lose a worker
@@ -306,10 +225,12 @@ def run_allreduce_workers(workers: int = 2, sizes=("1M", "16M", "64M"),
                     f"{str(e).splitlines()[-1]}")
                 failures.append({"round": r + 1, "contender": spec["name"], "error": str(e)})
                 res = _run_job(spec, workers, timeout, **kw)
-            for i, row in enumerate(res["results"]):
-                samples[spec["name"]][i] += row["times_s"]
-                round_medians[spec["name"]][i].append(statistics.median(row["times_s"]))
-            meta[spec["name"]] = res
+            for variant in res:
+                name = variant["name"]
+                for i, row in enumerate(variant["results"]):
+                    samples[name][i] += row["times_s"]
+                    round_medians[name][i].append(statistics.median(row["times_s"]))
+                meta[name] = variant
     say("done")
 
     mwms_name = next((s["name"] for s in specs if s["kind"] == MWMS_KIND), None)
@@ -488,6 +409,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child-spec":
-        sys.exit(_child(json.loads(sys.argv[2])))
     sys.exit(run_standalone("workers", parse_args, run))
