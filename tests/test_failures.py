@@ -209,14 +209,15 @@ def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to
 
 
 def test_is_stopped(run_process):
+    from tfdp.launch import job as job_lib  # (the running job: tfdp.launch.job)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert not launcher_lib._is_stopped(proc.pid)
+        assert not job_lib._is_stopped(proc.pid)
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5
-        while not launcher_lib._is_stopped(proc.pid) and time.monotonic() < deadline:
+        while not job_lib._is_stopped(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert launcher_lib._is_stopped(proc.pid)
+        assert job_lib._is_stopped(proc.pid)
     finally:
         proc.kill()
         proc.wait(timeout=10)
