@@ -1,5 +1,6 @@
 """Bad input raises ValueError naming the received value and the valid choices / fix."""
 
+import json
 import os
 import subprocess
 import sys
@@ -119,20 +120,42 @@ def test_default_devices_without_configuration_is_cpu0(run_process):
     assert "REPLICAS 1" in r.stdout and "CPU:0" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("tf_config,needle", [
+BAD_TF_CONFIGS = [
     ('{"task": {"type": "worker", "index": 0}}', "cluster"),
     ('{"cluster": {"worker": ["127.0.0.1:5"]}, "task": {"type": "worker", "index": 3}}', "index"),
     ("{not json", "TF_CONFIG"),
-])
-def test_bad_tf_config_is_a_clear_error_not_single_worker(run_process, tf_config, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_tf_config_outputs(run_process):
+    """One process for every case of BAD_TF_CONFIGS (each a strategy constructed under its
+    TF_CONFIG, in turn): {case index: what the case printed}."""
     r = _run("""
-        import tfdp
-        try:
-            tfdp.DataParallelStrategy()
-        except ValueError as e:
-            print("ERR", e)
-    """, {"TF_CONFIG": tf_config})
-    assert "ERR" in r.stdout and needle in r.stdout and "Received" in r.stdout, r.stdout + r.stderr
+        import json, os, tfdp
+        for i, tf_config in enumerate(json.loads(os.environ["BAD_TF_CONFIGS"])):
+            os.environ["TF_CONFIG"] = tf_config
+            try:
+                tfdp.DataParallelStrategy()
+                print(f"CASE {i}", json.dumps("no error"), flush=True)
+            except ValueError as e:
+                print(f"CASE {i}", json.dumps(f"ERR {e}"), flush=True)
+    """, {"BAD_TF_CONFIGS": json.dumps([c for c, _ in BAD_TF_CONFIGS])})
+    outputs = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("CASE "):
+            i, text = line[5:].split(" ", 1)
+            outputs[int(i)] = json.loads(text)
+    return outputs, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TF_CONFIGS)),
+                         ids=[f"{c}-{n}" for c, n in BAD_TF_CONFIGS])
+def test_bad_tf_config_is_a_clear_error_not_single_worker(bad_tf_config_outputs, case):
+    _, needle = BAD_TF_CONFIGS[case]
+    outputs, everything = bad_tf_config_outputs
+    out = outputs.get(case, "")
+    assert "ERR" in out and needle in out and "Received" in out, everything
 
 
 def test_cli_help_and_unknown_command(tfdp_cli):
