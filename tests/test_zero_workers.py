@@ -23,6 +23,7 @@ import numpy as np
 import tfdp
 strategy = tfdp.DataParallelStrategy(zero_stage=1)  # 2 workers x 2 CPU replicas (TF_CONFIG)
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
+import tfdp_bench.patterns
 from tfdp_bench.patterns import get_row, max_diff, reference, run_row
 from tfdp.testing import emit_result
 rank = strategy.cluster.rank
