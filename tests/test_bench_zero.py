@@ -37,7 +37,7 @@ def test_format_from_raw_figures():
     result["workers"] = {"workers": 2, "replicas_per_worker": 4, "results": [
         {"contender": "unsharded, momentum", "step_ms": 300.0, "ratio": 1.0,
          "spread": [1.0, 1.0], "largest_share": None},
-        {"contender": "owners per worker (tfdp), momentum", "step_ms": 100.0, "ratio": 3.0,
+        {"contender": "zero_stage=1, momentum", "step_ms": 100.0, "ratio": 3.0,
          "spread": [2.5, 3.5], "largest_share": 0.251}]}
     text = zero.format_zero(result)
     assert "Across 2 workers x 4 replicas" in text and "with momentum" in text

@@ -14,7 +14,8 @@ PACKAGES = ("tfdp", "tfdp_bench")
 GONE = ("DataParallelReduce", "MultiWorkerReduce", "ReplicaAllReduce", "batch_reduce_weighted",
         "_replica_reducer", "_DataParallelExtended", "tfdp_step", "_tfdp_no_merge",
         "tfdp_xla_refusal", "reduce.hierarchical", "reduce.local", "n_r*N/sum(n)",
-        "count_executions", "cross_worker_bucket_bytes", "keras_table_reads", "tfdp.bench")
+        "count_executions", "cross_worker_bucket_bytes", "keras_table_reads", "tfdp.bench",
+        "TFDP_ZERO_SPAN")
 
 
 def _modules():

@@ -44,7 +44,7 @@ with these exceptions, each imported from the tfdp module that defines it:
 * ``tfdp.compat.tf_internals.nccl_kernel_registered`` (gpu), ``tfdp.devices`` (device names),
   ``tfdp.testing.emit_result`` (faults: the result line of a worker), ``tfdp.logs``;
 * ``tfdp.zero`` (zero: the owner plan, ``strategy.extended.tfdp_zero``, and, for ``--workers``,
-  one sharding state per contender in the one multi-worker strategy plus ``TFDP_ZERO_SPAN``);
+  one sharding state per contender in the one multi-worker strategy);
 * ``tfdp.data.pipeline`` / ``tfdp.data.synthetic`` (input: the pipeline it measures).
 """
 

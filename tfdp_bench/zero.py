@@ -13,9 +13,8 @@ Three parts, each contender side by side with the others:
   momentum and with Adam, unsharded vs ``zero_stage=1``; warmed up, then alternating rounds;
   the median steady step (batch end to batch end) and ratios of medians with their spread;
 * ``--workers N``: the recommender fit with Adam and with momentum in one job of N local
-  workers x ``--worker-replicas`` replicas (default 2):
-  unsharded, owners over each worker's replicas (the design tfdp uses), and owners over every
-  replica of every worker (``TFDP_ZERO_SPAN=job``, the design measured against it).
+  workers x ``--worker-replicas`` replicas (default 2): unsharded and ``zero_stage=1`` (owners
+  over each worker's replicas).
 """
 
 from __future__ import annotations
@@ -250,31 +249,25 @@ def _worker_main(config):
     import tfdp
     strategy = tfdp.DataParallelStrategy()
     from tfdp_bench import embedding
-    from tfdp.zero import state as state_lib
     ext = strategy.extended
     states = {}
 
-    def use(key):
+    def use(stage):
         # one multi-worker strategy per process: each contender keeps its own sharding state
-        stage, span = key
         ext.tfdp_settings = dataclasses.replace(ext.tfdp_settings, zero_stage=stage)
-        if key not in states:
-            os.environ[state_lib.SPAN_ENV] = span
+        if stage not in states:
             ext.__dict__.pop("_tfdp_zero_state", None)
-            states[key] = ext.tfdp_zero
-        ext.__dict__["_tfdp_zero_state"] = states[key]
+            states[stage] = ext.tfdp_zero
+        ext.__dict__["_tfdp_zero_state"] = states[stage]
 
     data = embedding._dataset(REC["vocab"], REC["ids"], REC["batch"])
-    # (optimizer, zero_stage, span): each optimizer's contenders against its own unsharded
-    plan = [("adam", 0, "worker"), ("adam", 1, "worker"), ("adam", 1, "job"),
-            ("momentum", 0, "worker"), ("momentum", 1, "worker")]
-    span_names = {(0, "worker"): "unsharded", (1, "worker"): "owners per worker (tfdp)",
-                  (1, "job"): "owners over all workers"}
-    keys = [(stage, span) for _, stage, span in plan]
-    names = [f"{span_names[(stage, span)]}, {opt}" for opt, stage, span in plan]
+    # (optimizer, zero_stage): each optimizer's sharded run against its own unsharded one
+    plan = [("adam", 0), ("adam", 1), ("momentum", 0), ("momentum", 1)]
+    keys = [stage for _, stage in plan]
+    names = [f"{'unsharded' if stage == 0 else 'zero_stage=1'}, {opt}" for opt, stage in plan]
     cs = []
-    for (opt, stage, span), name in zip(plan, names):
-        use((stage, span))
+    for (opt, stage), name in zip(plan, names):
+        use(stage)
         cs.append(_Fit(name, strategy, lambda: embedding.build_model(
             REC["vocab"], REC["dim"], REC["ids"]), _optimizer(opt), data, REC["batch"]))
     for i, c in enumerate(cs):
@@ -288,7 +281,7 @@ def _worker_main(config):
     if strategy.cluster.rank == 0:
         plans = [states[k].plans[0].largest_share() if states[k] and states[k].plans else None
                  for k in keys]
-        base = [names.index(f"unsharded, {opt}") for opt, _, _ in plan]
+        base = [names.index(f"unsharded, {opt}") for opt, _ in plan]
         print(RESULT_PREFIX + json.dumps({"names": names, "times": times, "base": base,
                                           "largest_share": plans}), flush=True)
 

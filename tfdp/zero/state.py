@@ -25,14 +25,14 @@ A variable split by rows (``rows.SplitTable``, element-wise optimizers) has no s
 ``handles`` covers both, and ``update`` runs ``fn`` once per owner on its row block.
 
 Owners are local replica indices: every worker shards its optimizer state over its own devices
-and keeps the same plan, so slots are replicated across workers (measured against owners
-spanning every worker: ``tfdp bench zero --workers``; see ``tfdp.zero``).
+and keeps the same plan, so slots are replicated across workers (owners spanning every worker
+were measured slower: one more cross-worker broadcast of the updated weights each step; see
+``tfdp.zero``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 
@@ -45,7 +45,6 @@ from tfdp.zero import plan as plan_lib
 
 log = logging.getLogger("tfdp")
 
-SPAN_ENV = "TFDP_ZERO_SPAN"  # "job": owners over every worker's replicas (measurement only)
 
 # Slots that stay one copy per replica (Keras names a slot "<variable path>_<name>").
 PER_REPLICA_SLOTS = ("gradient_accumulator", "average")
@@ -79,13 +78,8 @@ class ZeroState:
         self.stage = int(stage)
         self._extended = weakref.ref(extended)
         self.devices = tuple(extended.worker_devices)
-        # Owners span this worker's replicas (the design chosen). TFDP_ZERO_SPAN=job makes them
-        # span every replica of every worker: a measurement mode for ``tfdp bench zero
-        # --workers`` only (stage 1, no accumulation; every worker still holds every slot and
-        # only the owner's worker updates it, so its checkpoints are not whole).
-        workers = extended._num_workers_in_job()  # pylint: disable=protected-access
-        self.span_workers = workers if os.environ.get(SPAN_ENV) == "job" else 1
-        self.num_owners = len(self.devices) * self.span_workers
+        # Owners span this worker's replicas (the design chosen: see the module docstring).
+        self.num_owners = len(self.devices)
         self._owners = {}     # id(distributed variable) -> (weakref, owner)
         self._loads = [0] * self.num_owners
         self.plans: list[plan_lib.OwnerPlan] = []
@@ -150,7 +144,7 @@ class ZeroState:
         sizes = [_nbytes(c) for _, c in todo]
         n = self.num_owners
         total = sum(sizes) + sum(self._loads)
-        can_split = (n > 1 and self.span_workers == 1 and rows_lib.elementwise(optimizer)
+        can_split = (n > 1 and rows_lib.elementwise(optimizer)
                      and not getattr(optimizer, "gradient_accumulation_steps", None))
         split = [can_split and size > rows_lib.SPLIT_ABOVE * total / n
                  and len(c.shape) >= 1 and c.shape[0] is not None and c.shape[0] >= n
@@ -205,8 +199,7 @@ class ZeroState:
                     self._splits.pop(id(c), None)
                     dropped.append(entry)
             plan = plan_lib.OwnerPlan(self.num_owners, kept, type(o).__name__, tuple(
-                f"{'' if self.span_workers == 1 else f'w{w}/'}{devices_lib.short_name(d)}"
-                for w in range(self.span_workers) for d in self.devices))
+                devices_lib.short_name(d) for d in self.devices))
             notes = [self._notes.pop(id(o), "")]
             if dropped:
                 notes.append(f"{len(dropped)} variable(s) without per-variable optimizer "
@@ -321,8 +314,7 @@ class ZeroState:
         """
         ext = self.extended
         ops = ext.tfdp_reduce
-        owners = [self._owner_of_gradient(v) if self.span_workers == 1 else None
-                  for v in values]
+        owners = [self._owner_of_gradient(v) for v in values]
         self._grad_owners.clear()
         owned = [i for i, o in enumerate(owners) if o is not None]
         rest = [i for i, o in enumerate(owners) if o is None]
@@ -355,35 +347,10 @@ class ZeroState:
         if owner is None:  # split by rows
             self.split_of(var).update(var, fn, args, kwargs)
             return tfp.update_regroup(ext, [None] * len(comps), group)
-        if self.span_workers > 1:
-            return self._update_job_span(ext, comps, owner, fn, args, kwargs, group)
         with tf.device(comps[owner].device), tf.name_scope(f"update_{owner}"):
             result = fn(comps[owner], *tfp.select_replica(owner, args),
                         **tfp.select_replica(owner, kwargs))
         owner_lib.broadcast_local(comps, owner)
-        return tfp.update_regroup(ext, [result] * len(comps), group)
-
-    def _update_job_span(self, ext, comps, owner, fn, args, kwargs, group):
-        """TFDP_ZERO_SPAN=job (measurement mode): the owner's worker updates, one cross-worker
-        collective carries the value (the owner's worker adds it, the others -0.0), every local
-        copy takes it."""
-        from tfdp.reduce import owner as owner_lib
-        from tfdp.strategy.role import worker_role
-        worker, k = divmod(owner, len(self.devices))
-        mine = worker_role(tf.distribute.get_strategy()).index == worker
-        result = None
-        with tf.device(comps[k].device):
-            if mine:
-                result = fn(comps[k], *tfp.select_replica(k, args),
-                            **tfp.select_replica(k, kwargs))
-                value = comps[k].read_value()
-            else:
-                value = owner_lib.identity_element(comps[k].shape, comps[k].dtype)
-            value = ext.tfdp_reduce.cross_worker_sum(value, k)
-        for j, c in enumerate(comps):
-            if not (mine and j == k):
-                with tf.device(c.device):
-                    c.assign(value, read_value=False)
         return tfp.update_regroup(ext, [result] * len(comps), group)
 
     def replica_update(self, var, fn, args, kwargs):
@@ -402,10 +369,6 @@ class ZeroState:
                 f"zero_stage={self.stage} cannot run inside an XLA-compiled step",
                 "jit_compile=True around the whole step", "Fix: compile(jit_compile=False), or "
                 "zero_stage=0."))
-        if self.span_workers > 1:
-            raise TfdpError(message(
-                "TFDP_ZERO_SPAN=job (a measurement mode of tfdp bench zero) does not run "
-                "Keras's gradient accumulation", f"{SPAN_ENV}=job", f"Unset {SPAN_ENV}."))
         owner = self.owner_of(var)
         if owner is None:  # (never planned: optimizers that accumulate are not split)
             raise TfdpError(message(
