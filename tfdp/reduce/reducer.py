@@ -158,7 +158,7 @@ class Reducer(tf.distribute.CrossDeviceOps):
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         reduce_op = pipeline.as_reduce_op(reduce_op)
         value_devices = tuple(tfp.devices_of(per_replica_value))
-        if self.devices is not None and len(value_devices) != len(self.devices):
+        if self.cross_worker is not None and len(value_devices) != len(self.devices):
             raise ValueError(f"tfdp's reducer expects one value per local replica "
                              f"({len(self.devices)}); got {len(value_devices)}.")
         if (not tfp.has_destinations(destinations)
@@ -246,8 +246,9 @@ class Reducer(tf.distribute.CrossDeviceOps):
         weights, densify_ok = weights_of(options), densify_ok_of(options)
         self.traced_batch_reductions += 1
         comps_of = [list(v.values) if tfp.is_distributed_values(v) else [v] for v in values]
-        devices = list(self.devices) if self.devices is not None else list(
-            tfp.devices_of(values[0]))
+        # (in one process the values' own devices: a value TF wrapped from one tensor has one)
+        devices = (list(tfp.devices_of(values[0])) if self.cross_worker is None
+                   else list(self.devices))
         n_local = len(devices)
         n = n_local * self.num_workers
         if n == 1 and weights is None and self.compression is None:
