@@ -21,6 +21,7 @@ import time
 import pytest
 
 from tfdp import failures
+from tfdp.launch import job as job_lib  # (the running job's timings, split from launcher.py)
 from tfdp.launch import launcher as launcher_lib
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -175,7 +176,7 @@ def test_launcher_kills_a_stopped_worker_without_waiting_for_the_grace_period(ru
                              stderr=err)
     took = time.monotonic() - start
     assert rc == 3
-    assert took < 1.0 + launcher_lib.GRACE_S, took
+    assert took < 1.0 + job_lib.GRACE_S, took
     lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("tfdp launch:")]
     assert len(lines) == 1, err.getvalue()
     assert re.fullmatch(r"tfdp launch: worker 1 is frozen; reported by worker 0 \(127\.0\.0\.1:"
@@ -200,7 +201,7 @@ def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to
                              stderr=err)
     took = time.monotonic() - start
     assert rc == 1
-    assert took < 2.0 + launcher_lib._PEER_EXIT_S + launcher_lib.GRACE_S, took
+    assert took < 2.0 + job_lib._PEER_EXIT_S + job_lib.GRACE_S, took
     lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("tfdp launch:")]
     assert len(lines) == 1, err.getvalue()
     assert re.fullmatch(r"tfdp launch: worker 1 is frozen; reported by worker 0 \(127\.0\.0\.1:"
@@ -209,7 +210,6 @@ def test_launcher_stops_the_job_when_a_worker_reports_a_lost_peer_but_is_slow_to
 
 
 def test_is_stopped(run_process):
-    from tfdp.launch import job as job_lib  # (the running job: tfdp.launch.job)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert not job_lib._is_stopped(proc.pid)
