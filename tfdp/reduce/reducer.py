@@ -207,7 +207,8 @@ class Reducer(tf.distribute.CrossDeviceOps):
     def _all_reduce(self, reduce_op, value, replica_id, options):
         """From replica ``replica_id``'s context, without merge_call: ``value`` (a nested
         structure of tensors; IndexedSlices are densified) reduced over every replica of the
-        job, one collective per bucket. Every replica must call it alike."""
+        job, one collective per bucket. Every replica must call it alike. ``options.weights``,
+        if given, is ``[this replica's weight]``."""
         if tf.executing_eagerly():
             raise RuntimeError("tfdp's replica-context all-reduce runs inside tf.function only "
                                "(replica functions run one after another in eager mode, so "
