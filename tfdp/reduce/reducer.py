@@ -125,11 +125,6 @@ class Reducer(tf.distribute.CrossDeviceOps):
     def _num_between_graph_workers(self):
         return self.num_workers
 
-    @property
-    def num_replicas(self):
-        """Replicas of the job (None for a one-process reducer without devices)."""
-        return None if self.devices is None else len(self.devices) * self.num_workers
-
     def __repr__(self):
         where = "" if self.devices is None else f"local_devices={len(self.devices)}, "
         workers = f"workers={self.num_workers}, " if self.num_workers > 1 else ""

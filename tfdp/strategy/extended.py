@@ -24,6 +24,7 @@ from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
+from tfdp.reduce.options import ReduceOptions
 
 
 class DataParallelExtendedBase:
@@ -78,7 +79,6 @@ class DataParallelExtendedBase:
         gradient-accumulation branch, replica-context collectives (the reducer's
         ``_all_reduce``). ``densify_ok``: every sparse gradient's consumer is linear in it.
         """
-        from tfdp.reduce.options import ReduceOptions
         step = self.tfdp_context
         masks = None if step is None else step.masks
         if self._replica_collectives_only() and not tf.executing_eagerly():
@@ -368,7 +368,6 @@ class DataParallelExtendedBase:
                 with tf.device(c.device):
                     comps.append(c.read_value())
             pairs.append((tfp.PerReplica(tuple(comps)), tv))
-        from tfdp.reduce.options import ReduceOptions
         weights = None if shares is None else [s * float(replicas) for s in shares]
         means = self._tfdp_reduce.batch_reduce(tf.distribute.ReduceOp.MEAN, pairs,
                                                ReduceOptions(weights=weights))
@@ -424,7 +423,6 @@ class DataParallelExtendedBase:
             # padded replica: that replica adds nothing
             pairs = [(v if tfp.is_distributed_values(v) else tfp.PerReplica((v,)), d)
                      for v, d in value_destination_pairs]
-            from tfdp.reduce.options import ReduceOptions
             return self._tfdp_reduce.batch_reduce(reduce_op, pairs,
                                                   ReduceOptions(weights=step.masks))
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
