@@ -51,6 +51,15 @@ def run_cli(*args, timeout=30, env=None):
                           env=env or base_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def cli_in_process(tfdp_cli, *args):
+    """``tfdp launch ARGS`` in this process (the ``tfdp_cli`` fixture, a core-tier test), as a
+    ``subprocess.CompletedProcess``-like result (returncode, stdout, stderr). A usage error is
+    found before any worker starts; a case that got past it would start one, which the guard of
+    tests/conftest.py fails."""
+    code, out, err = tfdp_cli(["launch", *args])
+    return subprocess.CompletedProcess(["tfdp", "launch", *args], code, out, err)
+
+
 def by_worker(text):
     """{rank: [line, ...]} from prefixed output; every line must carry a prefix."""
     lines = {}
@@ -223,8 +232,8 @@ def test_cli_runs_command_without_double_dash(run_process):
     assert sorted(res.stdout.splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
 
 
-def test_cli_help(run_process):
-    res = run_cli("--help")
+def test_cli_help(tfdp_cli):
+    res = cli_in_process(tfdp_cli, "--help")
     assert res.returncode == 0
     assert "--workers N" in res.stdout and "unauthenticated" in res.stdout
 
@@ -236,8 +245,19 @@ def test_parse_args_command_boundaries():
     assert args.command == ["prog", "-h", "--", "--y"]
 
 
+def test_cli_usage_error_through_the_real_entry_point(run_process):
+    """``python -m tfdp launch`` itself (a process, as a user runs it): one line, exit 2, no
+    traceback, nothing on stdout. The other usage errors run in this process (below)."""
+    res = run_cli()
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfdp launch: error: ")
+    assert "Missing --workers" in lines[0]
+    assert res.stdout == ""
+
+
 @pytest.mark.parametrize("args,needle", [
-    ([], "Missing --workers"),
     (["--workers", "0", "--", "true"], "--workers=0"),
     (["--workers", "-2", "true"], "--workers=-2"),
     (["--workers", "two", "true"], "invalid int value"),
@@ -251,8 +271,8 @@ def test_parse_args_command_boundaries():
     (["--workers", "2", "--host", "0.0.0.0", "true"], "loopback"),
     (["--workers", "2", "--bogus", "true"], "Unrecognized arguments"),
 ])
-def test_cli_usage_errors(run_process, args, needle):
-    res = run_cli(*args)
+def test_cli_usage_errors(tfdp_cli, args, needle):
+    res = cli_in_process(tfdp_cli, *args)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()
@@ -261,11 +281,9 @@ def test_cli_usage_errors(run_process, args, needle):
     assert res.stdout == ""
 
 
-def test_cli_too_many_gpus(run_process):
-    res = subprocess.run([sys.executable, "-m", "tfdp", "launch", "--workers", "2",
-                          "--gpus-per-worker", "2", "true"], cwd=ROOT,
-                         env=base_env(CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
-                         text=True, timeout=30)
+def test_cli_too_many_gpus(tfdp_cli, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    res = cli_in_process(tfdp_cli, "--workers", "2", "--gpus-per-worker", "2", "true")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "More GPUs requested than visible" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
@@ -420,8 +438,8 @@ def test_cli_default_and_all_output(run_process, tmp_path):
                               "(TF_CPP_MIN_LOG_LEVEL=2; --verbose shows them)\n"), res.stderr
 
 
-def test_cli_help_covers_output_and_nodes(run_process):
-    res = run_cli("--help")
+def test_cli_help_covers_output_and_nodes(tfdp_cli):
+    res = cli_in_process(tfdp_cli, "--help")
     assert res.returncode == 0
     assert "--all-output" not in res.stdout   # one way to choose the output: --output
     for flag in ("--output", "--log-dir", "--verbose", "--nnodes", "--node-rank",
@@ -460,8 +478,8 @@ def test_cli_help_covers_output_and_nodes(run_process):
     (["--slurm", "--workers-per-node", "1", "true"], "SLURM_PROCID"),
     (["--master-addr", "x", "true"], "--coordinator HOST:PORT"),
 ])
-def test_cli_node_usage_errors(run_process, args, needle):
-    res = run_cli(*args)
+def test_cli_node_usage_errors(tfdp_cli, args, needle):
+    res = cli_in_process(tfdp_cli, *args)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()
