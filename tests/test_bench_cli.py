@@ -34,6 +34,29 @@ def commands():
     return list(COMMANDS)
 
 
+def standalone_in_process(monkeypatch, capsys, module, *args):
+    """``python -m MODULE ARGS`` in this process (``runpy``, as ``-m`` runs it: the module's
+    ``__main__`` block), in the repository root without TF_CONFIG / TFDP_CPU_REPLICAS:
+    (exit code, stdout, stderr). A core-tier test: tests/conftest.py's guard fails it if the
+    command starts a process."""
+    import runpy
+    import warnings
+    monkeypatch.chdir(ROOT)
+    for var in ("TFDP_CPU_REPLICAS", "TF_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    capsys.readouterr()
+    code = 0
+    with warnings.catch_warnings():  # (runpy: "found in sys.modules", the module was imported)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    out, err = capsys.readouterr()
+    return (0 if code is None else code), out, err
+
+
 # --- structure ----------------------------------------------------------------------------------
 
 def _bench_imports(path, include_functions):
@@ -189,24 +212,47 @@ def _has_main_guard(name):
     return 'if __name__ == "__main__":' in open(path).read()
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("name", commands())
-def test_bad_option_is_one_line_exit_2(run_process, name):
-    res = run("-m", "tfdp", "bench", name, "--bogus-option", "1")
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
+def _check_bad_option(name, bench, alone):
+    """``bench``: (code, stdout, stderr) of ``tfdp bench NAME --bogus-option 1``; ``alone()``:
+    those of ``python -m tfdp_bench.NAME --bogus-option`` (called for every module that offers
+    it)."""
+    code, out, err = bench
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
     assert lines[0].startswith("tfdp bench: error: Unrecognized arguments: --bogus-option 1. ")
     assert f"Run 'tfdp bench {name} --help' for usage." in lines[0]
-    assert res.stdout == ""
+    assert out == ""
     # the same command alone (python -m tfdp_bench.NAME), for every module that offers it
     if name not in ("allreduce", "fit", "patterns", "workers", "input", "sparse", "scaling",
                     "gpu") and not _has_main_guard(name):
         return
-    res = run("-m", f"tfdp_bench.{name}", "--bogus-option")
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"tfdp bench {name}: error: "), res.stderr
+    code, out, err = alone()
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"tfdp bench {name}: error: "), err
+
+
+@pytest.mark.timeout(200)
+def test_bad_option_through_the_real_entry_points(run_process):
+    """The first command through ``python -m tfdp bench`` and ``python -m tfdp_bench.NAME``
+    themselves (processes, as a user runs them); the other commands run in this process
+    (below), through the same code."""
+    name = commands()[0]
+
+    def proc(*args):
+        res = run(*args)
+        return res.returncode, res.stdout, res.stderr
+
+    _check_bad_option(name, proc("-m", "tfdp", "bench", name, "--bogus-option", "1"),
+                      lambda: proc("-m", f"tfdp_bench.{name}", "--bogus-option"))
+
+
+@pytest.mark.parametrize("name", commands()[1:])
+def test_bad_option_is_one_line_exit_2(tfdp_cli, monkeypatch, capsys, name):
+    _check_bad_option(name, tfdp_cli(["bench", name, "--bogus-option", "1"]),
+                      lambda: standalone_in_process(monkeypatch, capsys, f"tfdp_bench.{name}",
+                                                    "--bogus-option"))
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -217,25 +263,25 @@ def test_bad_option_is_one_line_exit_2(run_process, name):
     (["input", "--files-dir", "/nonexistent-dir"], "--files-dir"),
     (["sparse", "--vocab", "0"], "--vocab"),
 ])
-def test_new_usage_errors(run_process, args, needle, tmp_path):
+def test_new_usage_errors(tfdp_cli, args, needle, tmp_path):
     (tmp_path / "file").write_text("")  # a path below a regular file cannot be a directory
     args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
-    res = run("-m", "tfdp", "bench", *args)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tfdp bench: error: "), res.stderr
+    code, out, err = tfdp_cli(["bench", *args])
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tfdp bench: error: "), err
     assert needle in lines[0] and "Received:" in lines[0]
 
 
-def test_unknown_command_lists_every_command(run_process):
-    res = run("-m", "tfdp", "bench", "frobnicate")
-    assert res.returncode == 2
-    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+def test_unknown_command_lists_every_command(tfdp_cli):
+    code, _, err = tfdp_cli(["bench", "frobnicate"])
+    assert code == 2
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
     assert "'frobnicate'" in line and ("Valid: " + ", ".join(commands())) in line
 
 
-def test_top_level_help_lists_every_command(run_process):
-    res = run("-m", "tfdp", "bench", "--help")
-    assert res.returncode == 0
+def test_top_level_help_lists_every_command(tfdp_cli):
+    code, out, _ = tfdp_cli(["bench", "--help"])
+    assert code == 0
     for name in commands():
-        assert f"\n  {name} " in res.stdout, name
+        assert f"\n  {name} " in out, name
