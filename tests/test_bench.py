@@ -27,6 +27,14 @@ def run_bench(*args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def bench_in_process(tfdp_cli, *args):
+    """``tfdp bench ARGS`` in this process (the ``tfdp_cli`` fixture: a core-tier test; a usage
+    error is found before any process or TensorFlow work starts), as a CompletedProcess.
+    tests/test_bench_cli.py runs a usage error through the real ``python -m tfdp bench``."""
+    code, out, err = tfdp_cli(["bench", *args])
+    return subprocess.CompletedProcess(["tfdp", "bench", *args], code, out, err)
+
+
 def positive(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -120,8 +128,8 @@ def test_fit_cli(run_process, tmp_path):
     (["fit", "--all-reduce", "rnig"], "--all-reduce"),
     (["frobnicate"], "frobnicate"),
 ])
-def test_usage_errors_are_one_line_exit_2(run_process, args, needle):
-    res = run_bench(*args, timeout=100)
+def test_usage_errors_are_one_line_exit_2(tfdp_cli, args, needle):
+    res = bench_in_process(tfdp_cli, *args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
@@ -131,14 +139,14 @@ def test_usage_errors_are_one_line_exit_2(run_process, args, needle):
 
 
 @pytest.mark.timeout(120)
-def test_help(run_process):
-    res = run_bench("--help", timeout=100)
+def test_help(tfdp_cli):
+    res = bench_in_process(tfdp_cli, "--help")
     assert res.returncode == 0 and "usage: tfdp bench" in res.stdout
     assert "allreduce" in res.stdout and "fit" in res.stdout
-    res = run_bench(timeout=100)
+    res = bench_in_process(tfdp_cli)
     assert res.returncode == 2 and "usage: tfdp bench" in res.stdout
     for cmd in ("allreduce", "fit"):
-        res = run_bench(cmd, "--help", timeout=100)
+        res = bench_in_process(tfdp_cli, cmd, "--help")
         assert res.returncode == 0, res.stderr
         assert f"tfdp bench {cmd}" in res.stdout and "--cpu-replicas" in res.stdout
 

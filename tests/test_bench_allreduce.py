@@ -24,6 +24,14 @@ def run_bench(*args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def bench_in_process(tfdp_cli, *args):
+    """``tfdp bench ARGS`` in this process (the ``tfdp_cli`` fixture: a core-tier test; a usage
+    error is found before any process or TensorFlow work starts), as a CompletedProcess.
+    tests/test_bench_cli.py runs a usage error through the real ``python -m tfdp bench``."""
+    code, out, err = tfdp_cli(["bench", *args])
+    return subprocess.CompletedProcess(["tfdp", "bench", *args], code, out, err)
+
+
 def positive(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -65,8 +73,8 @@ def check_rows(data, n):
     (["--workers", "2", "--compression", "none,int8"], "--compression"),
     (["--workers", "2", "--algorithms", "nccl"], "--algorithms"),
 ])
-def test_allreduce_usage_errors(run_process, args, needle):
-    res = run_bench("allreduce", *args, timeout=100)
+def test_allreduce_usage_errors(tfdp_cli, args, needle):
+    res = bench_in_process(tfdp_cli, "allreduce", *args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
@@ -75,8 +83,8 @@ def test_allreduce_usage_errors(run_process, args, needle):
 
 
 @pytest.mark.timeout(120)
-def test_allreduce_help_lists_new_options(run_process):
-    res = run_bench("allreduce", "--help", timeout=100)
+def test_allreduce_help_lists_new_options(tfdp_cli):
+    res = bench_in_process(tfdp_cli, "allreduce", "--help")
     assert res.returncode == 0, res.stderr
     for opt in ("--workers", "--cpu-replicas", "--compression", "--rounds", "--plot", "--json"):
         assert opt in res.stdout
@@ -167,8 +175,8 @@ def test_job_specs_and_tcp_reference():
     (["--contenders", "tfdp,nope"], "--contenders"),
     (["--size", "1Q"], "--size"),
 ])
-def test_workers_alias_usage_errors(run_process, args, needle):
-    res = run_bench("workers", *args, timeout=100)
+def test_workers_alias_usage_errors(tfdp_cli, args, needle):
+    res = bench_in_process(tfdp_cli, "workers", *args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], res.stderr
