@@ -28,6 +28,8 @@ import queue
 import threading
 
 import tensorflow as tf
+
+from tfdp import logs as _logs
 # The per-worker iterator of a distributed dataset (its MultiDeviceIterator factory is wrapped),
 # and the host device it is made on.
 from tensorflow.python.distribute import device_util as _device_util
@@ -181,6 +183,24 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
                 max_buffer_size=max_buffer_size)
             handle = _gen_dataset_ops.multi_device_iterator_to_string_handle(resource)
         spec_key = (tuple(devices), str(source_device), repr(dataset.element_spec))
+        args = (dataset, devices, source_device, resource, incarnation, handle, spec_key,
+                prefetch_buffer_size)
+        global _first_made
+        if _first_made:
+            return resource, self._tfdp_device_iterators(*args)
+        # The process's first generator dataset iterator: TF logs a one-time INFO line then
+        # that plain Keras never causes (tfdp.logs.dropping_generator_notice says which). One
+        # thread at a time: the process's stderr is redirected meanwhile.
+        with _first_lock:
+            if _first_made:
+                return resource, self._tfdp_device_iterators(*args)
+            with _logs.dropping_generator_notice():
+                iterators = self._tfdp_device_iterators(*args)
+            _first_made = True
+        return resource, iterators
+
+    def _tfdp_device_iterators(self, dataset, devices, source_device, resource, incarnation,
+                               handle, spec_key, prefetch_buffer_size):
         slack = dataset.options().experimental_slack
         iterators = []
         for i, device in enumerate(devices):
@@ -205,7 +225,7 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
                             ds = ds.prefetch(prefetch_buffer_size, name="device_prefetch")
                 ds = ds.with_options(_device_options())
                 iterators.append(iter(ds))
-        return resource, iterators
+        return iterators
 
     def __del__(self):
         built = self.__dict__.pop("_tfdp_built", None)
@@ -215,6 +235,9 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
             except Exception:  # noqa: BLE001 - interpreter shutdown: released here instead
                 pass
 
+
+_first_made = False  # whether this process made a per-device iterator yet
+_first_lock = threading.Lock()
 
 _releases = queue.SimpleQueue()
 _releaser = None
