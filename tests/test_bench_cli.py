@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from jobs import standalone_in_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "tfdp_bench")
 PYTHON = sys.executable
@@ -32,29 +34,6 @@ def run(*args, timeout=100):
 def commands():
     from tfdp_bench.cli import COMMANDS  # importing it starts no TensorFlow
     return list(COMMANDS)
-
-
-def standalone_in_process(monkeypatch, capsys, module, *args):
-    """``python -m MODULE ARGS`` in this process (``runpy``, as ``-m`` runs it: the module's
-    ``__main__`` block), in the repository root without TF_CONFIG / TFDP_CPU_REPLICAS:
-    (exit code, stdout, stderr). A core-tier test: tests/conftest.py's guard fails it if the
-    command starts a process."""
-    import runpy
-    import warnings
-    monkeypatch.chdir(ROOT)
-    for var in ("TFDP_CPU_REPLICAS", "TF_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(sys, "argv", [module, *args])
-    capsys.readouterr()
-    code = 0
-    with warnings.catch_warnings():  # (runpy: "found in sys.modules", the module was imported)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code
-    out, err = capsys.readouterr()
-    return (0 if code is None else code), out, err
 
 
 # --- structure ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from jobs import standalone_in_process
 from tfdp_bench import scaling
 from tfdp.errors import TfdpError, UsageError
 
@@ -155,9 +156,19 @@ def test_cli_max_devices(run_process):
     assert ns == [1, 2, 4, 6]
 
 
+def test_cli_usage_error_through_the_real_entry_point(run_process):
+    """``python -m tfdp_bench.scaling`` itself (a process, as a user runs it); the other usage
+    errors run in this process (below)."""
+    res = run_scaling("--step-ms", "0", "--grad-mb", "1", "--bandwidth-gbps", "1",
+                      "--alpha-us", "1")
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("tfdp bench scaling: error:") and "--step-ms" in err
+    assert res.stdout == ""
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["--step-ms", "0", "--grad-mb", "1", "--bandwidth-gbps", "1", "--alpha-us", "1"],
-     "--step-ms"),
     (["--step-ms", "1", "--grad-mb", "-5", "--bandwidth-gbps", "1", "--alpha-us", "1"],
      "--grad-mb"),
     (["--step-ms", "1", "--grad-mb", "1", "--bandwidth-gbps", "nan", "--alpha-us", "1"],
@@ -174,13 +185,13 @@ def test_cli_max_devices(run_process):
     (["--measure", "--measure-workers", "1,2"], "--measure-workers"),
     (["--measure", "--measure-sizes", "4M"], "--measure-sizes"),
 ])
-def test_cli_usage_errors(run_process, args, needle):
-    res = run_scaling(*args)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    err = res.stderr.strip()
+def test_cli_usage_errors(monkeypatch, capsys, args, needle):
+    code, out, err = standalone_in_process(monkeypatch, capsys, "tfdp_bench.scaling", *args)
+    assert code == 2, (out, err)
+    err = err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("tfdp bench scaling: error:") and needle in err
-    assert res.stdout == ""
+    assert out == ""
 
 
 def test_main_raises_usage_error_in_process():

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from jobs import standalone_in_process
 from tfdp_bench import faults
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,8 +29,18 @@ def _cli(*args, timeout=60):
                           timeout=timeout, start_new_session=True)
 
 
+def test_usage_error_through_the_real_entry_point(run_process):
+    """``python -m tfdp_bench.faults`` itself (a process, as a user runs it); the other usage
+    errors run in this process (below)."""
+    p = _cli("--scenarios", "z")
+    assert p.returncode == 2, p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfdp bench faults: error: "), p.stderr
+    assert "Invalid --scenarios. Received: 'z'" in lines[0], lines[0]
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
 @pytest.mark.parametrize("args,expected", [
-    (["--scenarios", "z"], "Invalid --scenarios. Received: 'z'"),
     (["--scenarios", ","], "Invalid --scenarios"),
     (["--trials", "0"], "Invalid --trials. Received: --trials 0"),
     (["--timeout", "5"], "Invalid --timeout. Received: --timeout 5"),
@@ -37,13 +48,13 @@ def _cli(*args, timeout=60):
     (["--json", "/nonexistent-dir/x.json"], "Cannot write --json here"),
     (["--bogus"], "Unrecognized arguments: --bogus"),
 ])
-def test_usage_errors_are_one_line_exit_2(run_process, args, expected):
-    p = _cli(*args)
-    assert p.returncode == 2, p
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tfdp bench faults: error: "), p.stderr
+def test_usage_errors_are_one_line_exit_2(monkeypatch, capsys, args, expected):
+    code, out, err = standalone_in_process(monkeypatch, capsys, "tfdp_bench.faults", *args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfdp bench faults: error: "), err
     assert expected in lines[0], lines[0]
-    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert "Traceback" not in err and out == ""
 
 
 def test_help_and_import_start_no_tensorflow(run_process):
