@@ -120,21 +120,36 @@ def test_missing_config_file_lists_available(tmp_path):
         config_lib.load(str(tmp_path / "nope.toml"))
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["unknown_key", "wrong_type", "missing_file", "bad_flag"])
-def test_cli_bad_config_is_one_line_exit_2(run_process, tmp_path, case):
-    args = {"unknown_key": lambda: [_write(tmp_path, GOOD + "[train]\nepoch = 3\n")],
+def _bad_config_args(tmp_path, case):
+    return {"unknown_key": lambda: [_write(tmp_path, GOOD + "[train]\nepoch = 3\n")],
             "wrong_type": lambda: [_write(tmp_path, GOOD.replace("= 64", "= 'many'"))],
             "missing_file": lambda: [str(tmp_path / "missing.toml")],
             "bad_flag": lambda: [_write(tmp_path, GOOD), "--tinny"]}[case]()
-    p = _cli(args, timeout=60)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def _check_bad_config(case, returncode, stderr):
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith("tfdp train: error: ")
     expected = {"unknown_key": "train.epoch", "wrong_type": "data.global_batch_size",
                 "missing_file": "missing.toml", "bad_flag": "--tinny"}[case]
     assert expected in lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_config_through_the_real_entry_point(run_process, tmp_path):
+    """``python -m tfdp train`` itself (a process, as a user runs it) with an unknown key; the
+    other bad configs run in this process (below)."""
+    p = _cli(_bad_config_args(tmp_path, "unknown_key"), timeout=60)
+    _check_bad_config("unknown_key", p.returncode, p.stderr)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["wrong_type", "missing_file", "bad_flag"])
+def test_cli_bad_config_is_one_line_exit_2(tfdp_cli, tmp_path, case):
+    code, _, err = tfdp_cli(["train", *_bad_config_args(tmp_path, case)])
+    _check_bad_config(case, code, err)
 
 
 # --- learning-rate scaling ---------------------------------------------------------------------
