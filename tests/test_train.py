@@ -438,13 +438,18 @@ def test_cpu_replicas_precedence(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_cli_bad_cpu_replicas_variable_is_a_usage_error(run_process, tmp_path):
-    env = dict(_env(), TFDP_CPU_REPLICAS="four")
-    p = subprocess.run([*TRAIN, _write(tmp_path, GOOD)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+def test_cli_bad_cpu_replicas_variable_is_a_usage_error(monkeypatch, capsys, tmp_path):
+    """``tfdp train`` in this process (``tfdp.cli.main``, as ``python -m tfdp train`` runs it)
+    with TFDP_CPU_REPLICAS=four: found before TensorFlow work starts."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("TFDP_CPU_REPLICAS", "four")
+    capsys.readouterr()
+    returncode = tfdp.cli.main(["train", _write(tmp_path, GOOD)])
+    stderr = capsys.readouterr().err
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert "Invalid TFDP_CPU_REPLICAS" in lines[0] and "'four'" in lines[0]
 
 
