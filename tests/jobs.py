@@ -1,15 +1,11 @@
-"""Shared by the e2e-tier test modules: command lines run in this process, and one job of
-workers for a group of multi-worker cases.
+"""Shared by test modules that check command lines: ``python -m MODULE ARGS`` in this process.
 
-- :func:`standalone_in_process`: ``python -m MODULE ARGS`` in this process (``runpy``), for
-  core-tier tests of a command's usage errors (tests/conftest.py's guard fails the test if the
-  command starts a process); ``tfdp ARGS`` in this process is conftest's ``tfdp_cli`` fixture.
-- :class:`JobCases`: one job of workers runs every case of a group (one cluster start instead of
-  one per case); each test reads its case's result, and if the job failed, every test of the
-  group fails with the job's output.
+:func:`standalone_in_process` runs a module's ``__main__`` block in this process (``runpy``), for
+core-tier tests of a command's usage errors (tests/conftest.py's guard fails the test if the
+command starts a process); ``tfdp ARGS`` in this process is conftest's ``tfdp_cli`` fixture. Each
+command keeps one test through its real entry point, as a process (e2e).
 """
 
-import json
 import os
 import sys
 
