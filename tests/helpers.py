@@ -110,11 +110,12 @@ def count_replica_collectives(strategy):
 def collect_dead_models():
     """Models abandoned in an exception (the simulated crashes) are collected before the next
     test traces its step: tfdp's padded step captures every live metric variable of the
-    strategy (reported against tfdp/strategy/extended.py), so one deleted later breaks it."""
+    strategy (reported against tfdp/strategy/extended.py), so one deleted later breaks it.
+    (Before each test, not also after: the next test's collection frees the same models, and a
+    full collection late in a session takes seconds.)"""
     import gc
     gc.collect()
     yield
-    gc.collect()
 
 
 class Interrupt(Exception):

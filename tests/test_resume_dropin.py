@@ -24,7 +24,9 @@ N, BATCH, EPOCHS = 100, 20, 3     # 5 steps per epoch, 15 in all
 SEED = 11
 
 
-from helpers import Interrupt, collect_dead_models  # noqa: E402,F401  (autouse fixture)
+# (not helpers' autouse collect_dead_models: every test here trains through run(), which collects
+# the models of earlier runs itself, right before it builds its own)
+from helpers import Interrupt  # noqa: E402
 
 
 def kill_at(step, how="raise"):

@@ -17,7 +17,7 @@ with a single-device reference trained in the same worker process, outside any s
 
 import pytest
 
-from tfdp_bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, get_row,
+from tfdp_bench.patterns import (MULTIWORKER_ROWS, ROWS, VALUE_RTOL, RowResult, Trained, get_row,
                                  reference, run_row)
 from tfdp.testing import run_workers
 
@@ -44,18 +44,30 @@ def assert_exact(res):
         assert res.max_dvalue <= VALUE_RTOL, _explain(res)
 
 
+def shared_reference(one_device, row):
+    """The row's single-device run (no strategy, no scope), once per test session: what
+    run_row compares with (its weights, values and checks; no model is kept). test_zero's
+    sharded rows compare with the same runs."""
+    def compute():
+        ref = reference(row)
+        return Trained(None, ref.weights, [], ref.values, ref.checks)
+    return one_device(("pattern row", row.name), compute)
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_row_equals_single_device(row, cpu_devices):
+def test_row_equals_single_device(row, cpu_devices, one_device):
     import tfdp
     assert len(cpu_devices) == 4
-    res = run_row(row, lambda: tfdp.DataParallelStrategy(DEVICES))
+    res = run_row(row, lambda: tfdp.DataParallelStrategy(DEVICES),
+                  shared_reference(one_device, row))
     assert_exact(res)
 
 
-def test_reference_is_deterministic():
-    """Two no-strategy runs of a row give bitwise equal weights (the comparisons mean something)."""
+def test_reference_is_deterministic(one_device):
+    """Two no-strategy runs of a row give bitwise equal weights (the comparisons mean something):
+    a fresh one against the session's reference run of the row."""
     row = get_row("two_optimizers")
-    res = run_row(row, None, reference(row))
+    res = run_row(row, None, shared_reference(one_device, row))
     assert res.error is None and res.max_dw == 0.0
 
 
