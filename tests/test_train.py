@@ -253,14 +253,28 @@ def test_straggler_report_single_worker_is_a_noop():
 
 def test_straggler_report_names_the_slowest(monkeypatch):
     from tfdp.callbacks import throughput as tp
-    table = np.array([[5.0, 40.0, 1.0], [9.0, 40.5, 0.5], [5.5, 40.2, 3.0]])
-    monkeypatch.setattr(tp, "gather_per_worker", lambda strategy, values: table)
+    # three workers' figures, and (last column) when each reached the all-gather
+    table = np.array([[5.0, 40.0, 1.0, 100.0], [9.0, 40.5, 0.5, 102.5], [5.5, 40.2, 3.0, 101.0]])
+    sent = []
+    monkeypatch.setattr(tp, "num_workers", lambda strategy: 3)
+    monkeypatch.setattr(tp, "gather_per_worker",
+                        lambda strategy, values: sent.append(values) or table)
     r = tp.straggler_report(None, {"compute_ms_p50": 5.0, "step_ms_p50": 40.0,
                                    "host_gap_ms_p50": 1.0},
                             rank_by=("compute_ms_p50", "host_gap_ms_p50"))
+    assert sent[0][:3] == [5.0, 40.0, 1.0] and 0.0 <= sent[0][3] < 1000.0  # + its arrival
     assert r.slowest == 1 and r.fastest == 0 and r.own_ms == [6.0, 9.5, 8.5]
     assert r.ratio == pytest.approx(9.5 / 6.0)
     assert "Slowest: worker 1" in r.text() and "worker 2: compute 5.5 ms" in r.text()
+    # waited: until the last worker arrived (worker 1, 2.5 s after worker 0)
+    assert [r.waited_s(w) for w in range(3)] == pytest.approx([2.5, 0.0, 1.5])
+
+
+def test_straggler_wait_across_the_fold_of_the_arrival_clock():
+    from tfdp.callbacks.throughput import StragglerReport
+    r = StragglerReport(figures={}, rank_by=(), slowest=0, fastest=0, own_ms=[1.0, 1.0],
+                        arrived_at=[999.5, 0.75])   # worker 1 arrived 1.25 s after worker 0
+    assert r.waited_s(0) == pytest.approx(1.25) and r.waited_s(1) == 0.0
 
 
 # --- targets -----------------------------------------------------------------------------------

@@ -222,6 +222,9 @@ def gather_per_worker(strategy, values) -> np.ndarray:
     return np.stack([rows[k] for k in sorted(rows)])
 
 
+_ARRIVAL_PERIOD_S = 1000.0   # float32 keeps ~0.1 ms of a time of day folded into 1000 s
+
+
 @dataclasses.dataclass
 class StragglerReport:
     """Per-worker figures (``figures[name][rank]``) and the slowest worker."""
@@ -231,6 +234,19 @@ class StragglerReport:
     slowest: int
     fastest: int
     own_ms: list
+    #: when each worker reached the all-gather: ``time.time()`` modulo ``_ARRIVAL_PERIOD_S`` (it
+    #: travels as float32), as that worker's host clock tells
+    arrived_at: list = dataclasses.field(default_factory=list)
+
+    def waited_s(self, rank: int) -> float:
+        """How long worker ``rank`` waited at the all-gather for the last worker to reach it
+        (0 for the last one; across hosts only as good as their clocks agree)."""
+        if not self.arrived_at:
+            return 0.0
+        half = _ARRIVAL_PERIOD_S / 2
+        own = self.arrived_at[rank]
+        later = [((t - own + half) % _ARRIVAL_PERIOD_S) - half for t in self.arrived_at]
+        return max(0.0, max(later))
 
     @property
     def ratio(self) -> float:
@@ -256,16 +272,22 @@ def straggler_report(strategy, figures: dict, rank_by=None) -> StragglerReport |
 
     ``rank_by``: the figures whose sum is a worker's own time per step (default: the host gap
     between steps when present, else every figure). Returns None with a single worker (no
-    communication at all). Every worker must call it with the same figure names.
+    communication at all). Every worker must call it with the same figure names. The report
+    also says how long each worker waited there for the last one to arrive
+    (:meth:`StragglerReport.waited_s`): time spent on the others' work, not its own.
     """
     names = list(figures)
-    table = gather_per_worker(strategy, [figures[n] for n in names])
-    if table.shape[0] == 1:
+    workers = num_workers(strategy)
+    table = gather_per_worker(strategy, [figures[n] for n in names]
+                              + ([time.time() % _ARRIVAL_PERIOD_S] if workers > 1 else []))
+    if workers == 1:
         return None
+    arrived_at, table = [float(x) for x in table[:, -1]], table[:, :-1]
     if rank_by is None:
         rank_by = ("host_gap_ms_p50",) if "host_gap_ms_p50" in figures else tuple(names)
     idx = [names.index(n) for n in rank_by]
     own = table[:, idx].sum(axis=1)
     per_worker = {n: [float(x) for x in table[:, i]] for i, n in enumerate(names)}
     return StragglerReport(figures=per_worker, rank_by=tuple(rank_by), slowest=int(np.argmax(own)),
-                           fastest=int(np.argmin(own)), own_ms=[float(x) for x in own])
+                           fastest=int(np.argmin(own)), own_ms=[float(x) for x in own],
+                           arrived_at=arrived_at)

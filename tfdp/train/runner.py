@@ -251,6 +251,10 @@ def run(cfg: Config) -> Result:
                                       rank_by=("compute_ms_p50", "host_gap_ms_p50"))
 
     phases["monitoring"] = time.perf_counter() - t
+    waited = stragglers.waited_s(rank) if stragglers is not None else 0.0
+    if waited >= 0.05:   # the all-gather's wait for a slower worker: that worker's time, not ours
+        phases["monitoring"] -= waited
+        phases["waiting for the slowest worker"] = waited
     result = Result(
         name=cfg.name, replicas=replicas, workers=workers, rank=rank, devices=devices,
         global_batch_size=B, replica_batches=sizes, steps_per_epoch=steps, epochs=tr["epochs"],
