@@ -15,6 +15,10 @@ runs both):
   or here in :data:`SLOW`).
 - ``serial``: e2e tests that .ci/run runs one at a time, not under pytest-xdist (:data:`SERIAL`).
 
+The core tier runs in 2 pytest-xdist workers in .ci/run (``-n 2 --dist loadgroup``): tests sharing
+an expensive set-up (a module-scoped fixture, a memo of reference fits) stay in one worker
+(:data:`SHARED_SETUP`, scheduled by :func:`pytest_xdist_make_scheduler`).
+
 The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
 ``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
 fixture to use, so a core-tier test can never start a process unnoticed. A test marked
@@ -27,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # tests are CPU-only, also on GPU hosts
 
 import multiprocessing.process  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -62,6 +67,70 @@ SERIAL = (
 )
 
 
+#: Under pytest-xdist with ``--dist loadgroup`` (.ci/run's core stage), tests that share an
+#: expensive set-up run in one worker, which computes it once instead of once per worker: node id
+#: regex -> group (``{0}``: the regex's first group). The scheduler below sends each group to one
+#: worker as a unit (largest first), every other test on its own. (Not xdist's own
+#: ``xdist_group`` marks: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads.)
+SHARED_SETUP = (
+    # module-scoped fixtures (SHARED_FIXTURES checks that every test using one is listed here)
+    (r"tests/test_callbacks_backup\.py::test_(?:resume_mid_epoch_equals_uninterrupted"
+     r"|epoch_save_freq_plain_fit_drop_in)$", "test_callbacks_backup-reference"),
+    (r"tests/test_input_kinds\.py::test_(?:input_kind_is_exact_and_never_modified\["
+     r"|single_device_reference_sees_the_same_batches\["
+     r"|no_numpy_alias_makes_a_distributed_generator_exact$)", "test_input_kinds-reference"),
+    (r"tests/test_monitor\.py::", "test_monitor-trained"),
+    (r"tests/test_zero_checkpoint\.py::test_restore_elsewhere_and_continue\[",
+     "test_zero_checkpoint-saved"),
+    # a module's memo of reference fits, the session's one_device fixture
+    (r"tests/test_zero\.py::test_optimizer_sharded_equals_one_device\[(\w+)-stage\d\]",
+     "test_zero-reference-{0}"),
+    (r"tests/test_resume_dropin\.py::test_(?:dropin_resume_equals_uninterrupted\[shuffled-"
+     r"|resumed_epoch_metrics_and_progress$)", "test_resume_dropin-reference-shuffled"),
+    (r"tests/test_keras\.py::test_fit_equals_single_device\[\d-(\w+)\]",
+     "test_keras-one_device-fit-{0}"),
+    # the user-pattern rows' single-device runs (test_user_patterns.shared_reference)
+    (r"tests/test_user_patterns\.py::test_row_equals_single_device\[(\w+)\]",
+     "pattern-reference-{0}"),
+    (r"tests/test_user_patterns\.py::test_reference_is_deterministic$()",
+     "pattern-reference-two_optimizers"),
+    (r"tests/test_zero\.py::test_pattern_rows_sharded\[(\w+)-stage\d\]",
+     "pattern-reference-{0}"),
+)
+#: The module-scoped fixtures SHARED_SETUP groups by: a test using one that no pattern matches is
+#: a collection error (so a renamed or new test cannot silently compute it again in each worker).
+SHARED_FIXTURES = {
+    "tests/test_callbacks_backup.py": "reference",    # the uninterrupted run
+    "tests/test_input_kinds.py": "reference",         # the one-device fit
+    "tests/test_monitor.py": "trained",               # a trained model
+    "tests/test_zero_checkpoint.py": "saved",         # checkpoints of a sharded run (and the
+}                                                     # uninterrupted run, with it)
+
+
+def shared_setup_group(nodeid):
+    """The group of a test that shares an expensive set-up (SHARED_SETUP), else None."""
+    for pattern, group in SHARED_SETUP:
+        match = re.match(pattern, nodeid)
+        if match:
+            return group.format(*match.groups())
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: unknown when xdist is missing)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's scope scheduler with SHARED_SETUP's groups as the scopes
+    (each other test a scope of its own)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return shared_setup_group(nodeid) or nodeid
+
+    return SharedSetupScheduling(config, log)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "e2e: starts processes (applied automatically by tests/conftest.py to tests "
@@ -80,7 +149,19 @@ def _uses_process_fixture(item) -> bool:
     return any(name in PROCESS_FIXTURES for name in getattr(item, "fixturenames", ()))
 
 
+def _unlisted_shared_fixture(item) -> bool:
+    fixture = SHARED_FIXTURES.get(item.nodeid.partition("::")[0])
+    return (fixture is not None and fixture in getattr(item, "fixturenames", ())
+            and shared_setup_group(item.nodeid) is None)
+
+
 def pytest_collection_modifyitems(session, config, items):
+    unlisted = [item.nodeid for item in items if _unlisted_shared_fixture(item)]
+    if unlisted:
+        raise pytest.UsageError(
+            "Tests using a shared module-scoped fixture (tests/conftest.py's SHARED_FIXTURES) "
+            f"must be in a SHARED_SETUP group. Received {len(unlisted)} unlisted: "
+            f"{', '.join(unlisted[:10])}. Fix: extend the module's pattern in SHARED_SETUP.")
     errors = []
     for item in items:
         if item.nodeid.startswith(SLOW):
