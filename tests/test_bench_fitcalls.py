@@ -31,6 +31,9 @@ def test_run_fitcalls(run_process, tmp_path):
          "--epochs", "2", "--rounds", "1", "--calls", "1,2", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=540)
     assert res.returncode == 0, res.stderr[-3000:]
+    # quiet as tfdp's other commands: TF's load-time lines hidden at the level in effect (2)
+    for noise in ("oneDNN custom operations", "absl::InitializeLog", "I0000 ", "W0000 "):
+        assert noise not in res.stderr, res.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["results"]
     assert [r["kind"] for r in rows[:3]] == ["tfdp", "mirrored", "none"]

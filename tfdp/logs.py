@@ -1,26 +1,40 @@
-"""Quiet by default, loud on request: TensorFlow's C++ log level for tfdp's commands.
+"""Quiet by default, loud on request: TensorFlow's C++ log lines, decided in one place.
 
 TensorFlow prints its C++ INFO and WARNING lines (oneDNN, CPU features, gRPC server, coordination
 service, "GeneratorDatasetOp ... will not be optimized") to stderr from the moment it loads. tfdp's
 commands (``tfdp train``, ``tfdp launch``, ``tfdp bench``) hide them by default: errors and tfdp's
 own log lines are never hidden. The user's own ``TF_CPP_MIN_LOG_LEVEL`` always wins, and
-``--verbose`` shows everything. This is the one place that decides it.
+``--verbose`` shows everything (:func:`quiet_tensorflow`).
 
-In a user's own script (no tfdp command to set the level), :func:`dropping_cpp_lines` keeps out
-the one INFO line that tfdp's input path makes TensorFlow print and plain Keras does not: a
-distributed iterator's per-replica generator datasets make TF log "Memory patch applied:
+``TF_CPP_MIN_LOG_LEVEL`` filters TF's lines once absl logging is initialised. TF 2.21 prints two
+lines per shared library *before* that, at ``import tensorflow``, whatever the level::
+
+    WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+    I0000 00:00:... port.cc:153] oneDNN custom operations are on. You may see slightly ...
+
+(measured: twice each, with ``TF_CPP_MIN_LOG_LEVEL`` 2 or 3). :func:`import_tensorflow` imports
+TensorFlow with those filtered by the level in effect (``I...`` at level >= 1, ``W...`` and the
+"before absl::InitializeLog()" notice at >= 2); errors (``E``/``F`` lines), Python warnings and
+tracebacks are written back unchanged.
+
+In a user's own script (no tfdp command to set the level), :func:`dropping_generator_notice`
+keeps out the one INFO line that tfdp's input path makes TensorFlow print and plain Keras does
+not: a distributed iterator's per-replica generator datasets make TF log "Memory patch applied:
 M_TRIM_THRESHOLD=128 kb was set" once per process (generator_dataset_op.cc), the first time a
-generator dataset's iterator is made. The first such iterator tfdp makes is made with that one
-line filtered out of the process's stderr; everything else written meanwhile is passed on.
+generator dataset's iterator is made; tfdp makes its first one with that line filtered out.
+
+Both filter through :func:`filtered_stderr`: the process's stderr (file descriptor 2, where TF's
+C++ logs go) captured while a block runs, then every line the filter keeps written back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
-from typing import Iterator, MutableMapping
+from typing import Callable, Iterator, MutableMapping
 
 LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 QUIET_LEVEL = "2"   # 0: all, 1: no INFO, 2: no INFO/WARNING (errors stay), 3: no ERROR either
@@ -40,28 +54,19 @@ def quiet_tensorflow(environ: MutableMapping[str, str] | None = None, *,
     return QUIET_LEVEL
 
 
-#: TF's one-time C++ INFO line when the process's first generator dataset iterator is made.
-GENERATOR_NOTICE = "generator_dataset_op.cc"
-_GENERATOR_NOTICE_TEXT = "Memory patch applied"
-
-
 @contextlib.contextmanager
-def dropping_cpp_lines(*markers: str) -> Iterator[None]:
-    """Run the block with the process's stderr (file descriptor 2, where TF's C++ logs go)
-    captured; then write back every captured line except those containing all of ``markers``.
-    Nothing is dropped when the user set ``TF_CPP_MIN_LOG_LEVEL`` (their choice of what TF logs
-    stands) or when stderr cannot be redirected (no file descriptor 2)."""
-    if os.environ.get(LEVEL_ENV, "").strip() or not markers:
-        yield
-        return
+def filtered_stderr(keep: Callable[[bytes], bool]) -> Iterator[None]:
+    """Run the block with the process's stderr (fd 2) captured, then write back every captured
+    line for which ``keep(line)`` is true, in order. Without a file descriptor 2 to redirect, the
+    block runs unfiltered."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError, AttributeError):
         yield
         return
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
         try:
             yield
         finally:
@@ -71,18 +76,72 @@ def dropping_cpp_lines(*markers: str) -> Iterator[None]:
                 pass
             os.dup2(saved, 2)
             os.close(saved)
-            capture.seek(0)
-            kept = [line for line in capture.read().splitlines(keepends=True)
-                    if not all(m.encode() in line for m in markers)]
-            data = b"".join(kept)
+            captured.seek(0)
+            data = b"".join(ln for ln in captured.read().splitlines(keepends=True) if keep(ln))
             while data:
                 data = data[os.write(2, data):]
 
 
+# --- TensorFlow's load-time lines ------------------------------------------------------------------
+
+_ABSL_LINE = re.compile(rb"^([IWEF])\d{4} ")
+_BEFORE_INIT = b"WARNING: All log messages before absl::InitializeLog() is called"
+
+
+def _hidden(line: bytes, level: int) -> bool:
+    if line.startswith(_BEFORE_INIT):
+        return level >= 2
+    m = _ABSL_LINE.match(line)
+    if not m:
+        return False
+    return {b"I": level >= 1, b"W": level >= 2, b"E": level >= 3, b"F": False}[m.group(1)]
+
+
+@contextlib.contextmanager
+def load_lines_filtered(environ=None) -> Iterator[None]:
+    """While the block runs (TensorFlow being imported), hide the absl INFO/WARNING lines the log
+    level in effect hides (nothing is filtered at level 0 or when TensorFlow was already
+    imported)."""
+    environ = os.environ if environ is None else environ
+    try:
+        level = int(environ.get(LEVEL_ENV, "0").strip() or 0)
+    except ValueError:
+        level = 0
+    if level <= 0 or "tensorflow" in sys.modules:
+        yield
+        return
+    with filtered_stderr(lambda line: not _hidden(line, level)):
+        yield
+
+
+def import_tensorflow(environ=None) -> None:
+    """``import tensorflow`` (and keras) with the load-time lines filtered by the log level in
+    effect (``TF_CPP_MIN_LOG_LEVEL``; unset or 0: nothing is filtered)."""
+    with load_lines_filtered(environ):
+        import tensorflow  # noqa: F401
+        import keras  # noqa: F401
+
+
+# --- the line tfdp's input path makes TensorFlow print ------------------------------------------
+
+#: TF's one-time C++ INFO line when the process's first generator dataset iterator is made.
+GENERATOR_NOTICE = ("generator_dataset_op.cc", "Memory patch applied")
+
+
+def dropping_cpp_lines(*markers: str):
+    """:func:`filtered_stderr` dropping the lines that contain all of ``markers``. Nothing is
+    dropped when the user set ``TF_CPP_MIN_LOG_LEVEL`` (their choice of what TF logs stands)."""
+    if os.environ.get(LEVEL_ENV, "").strip() or not markers:
+        return contextlib.nullcontext()
+    wanted = [m.encode() for m in markers]
+    return filtered_stderr(lambda line: not all(m in line for m in wanted))
+
+
 def dropping_generator_notice():
     """:func:`dropping_cpp_lines` for TF's "Memory patch applied" generator-dataset line."""
-    return dropping_cpp_lines(GENERATOR_NOTICE, _GENERATOR_NOTICE_TEXT)
+    return dropping_cpp_lines(*GENERATOR_NOTICE)
 
 
 __all__ = ["GENERATOR_NOTICE", "LEVEL_ENV", "QUIET_LEVEL", "dropping_cpp_lines",
-           "dropping_generator_notice", "quiet_tensorflow"]
+           "dropping_generator_notice", "filtered_stderr", "import_tensorflow",
+           "load_lines_filtered", "quiet_tensorflow"]

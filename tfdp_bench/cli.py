@@ -14,6 +14,7 @@ import importlib
 
 from tfdp_bench.parser import quiet_tensorflow
 from tfdp.errors import UsageError
+from tfdp.logs import import_tensorflow
 
 # the line of 'tfdp --help'
 HELP = "benchmarks: tfdp vs tf.distribute.MirroredStrategy, side by side"
@@ -110,7 +111,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(help_text())
         return 0 if argv else 2
+    quiet_tensorflow()   # before the command's module: importing it may start TensorFlow
     module = command_module(argv[0])
-    quiet_tensorflow()
     args = module.parse_args(argv[1:])
+    import_tensorflow()   # its load-time lines, printed before the level applies, filtered too
     return int(module.run(args) or 0)

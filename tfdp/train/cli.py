@@ -80,9 +80,8 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, overrides, tiny=args.tiny)   # no TensorFlow yet
     from tfdp.devices import cpu_replicas_from_env
     cpu_replicas_from_env()     # a bad TFDP_CPU_REPLICAS: a usage error (exit 2), before TF
-    from tfdp.logs import quiet_tensorflow
+    from tfdp.logs import import_tensorflow, load_lines_filtered, quiet_tensorflow
     quiet_tensorflow(os.environ, verbose=args.verbose)   # before TensorFlow is imported
-    from tfdp.train.quiet import import_tensorflow, load_lines_filtered
     with load_lines_filtered():   # (a builder's module may import TensorFlow)
         from tfdp.train import builders
         builders.precheck(cfg)   # [model] / [data] builder mistakes: before TensorFlow starts
