@@ -28,8 +28,6 @@ import queue
 import threading
 
 import tensorflow as tf
-
-from tfdp import logs as _logs
 # The per-worker iterator of a distributed dataset (its MultiDeviceIterator factory is wrapped),
 # and the host device it is made on.
 from tensorflow.python.distribute import device_util as _device_util
@@ -42,6 +40,8 @@ from tensorflow.python.framework import ops as _ops
 # Whether an op is stateful (which ops in a pipeline's functions may change shared state).
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
+
+from tfdp import logs as _logs
 
 _local = threading.local()
 _lock = threading.Lock()
