@@ -114,5 +114,6 @@ def main(argv: list[str]) -> int:
     quiet_tensorflow()   # before the command's module: importing it may start TensorFlow
     module = command_module(argv[0])
     args = module.parse_args(argv[1:])
-    import_tensorflow()   # its load-time lines, printed before the level applies, filtered too
+    if getattr(module, "uses_tensorflow", lambda _args: True)(args):
+        import_tensorflow()   # its load-time lines, printed before the level applies, filtered
     return int(module.run(args) or 0)

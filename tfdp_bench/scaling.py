@@ -352,6 +352,12 @@ def main(argv=None) -> int:
     return run(parse_args(list(sys.argv[1:] if argv is None else argv)))
 
 
+def uses_tensorflow(args) -> bool:
+    """Only ``--measure`` runs TensorFlow (the model alone is arithmetic): ``tfdp bench`` imports
+    it, its load-time lines filtered, only then."""
+    return bool(args.measure)
+
+
 def run(args) -> int:
     if args.child:
         return _child(args.sizes, args.steps)
