@@ -300,24 +300,10 @@ def tfdp_cli(capsys, monkeypatch):
     ``TF_CONFIG`` / ``TFDP_CPU_REPLICAS``, as ``python -m tfdp ARGS`` would report them. The
     guard fails the test if the command starts a process."""
     import tfdp.cli
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from jobs import command_in_process
 
     def run(argv):
-        monkeypatch.chdir(root)
-        for name in ("TF_CONFIG", "TFDP_CPU_REPLICAS"):
-            monkeypatch.delenv(name, raising=False)
-        capsys.readouterr()
-        try:
-            code = tfdp.cli.main(list(argv))
-        except SystemExit as e:  # argparse, or a command's sys.exit: what the process would do
-            code = e.code
-        out, err = capsys.readouterr()
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):  # sys.exit("message"): printed, exit code 1
-            err, code = err + f"{code}\n", 1
-        return int(code), out, err
+        return command_in_process(monkeypatch, capsys, lambda: tfdp.cli.main(list(argv)))
 
     return run
 
