@@ -186,18 +186,17 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
         args = (dataset, devices, source_device, resource, incarnation, handle, spec_key,
                 prefetch_buffer_size)
         global _first_made
-        if _first_made:
-            return resource, self._tfdp_device_iterators(*args)
-        # The process's first generator dataset iterator: TF logs a one-time INFO line then
-        # that plain Keras never causes (tfdp.logs.dropping_generator_notice says which). One
-        # thread at a time: the process's stderr is redirected meanwhile.
-        with _first_lock:
-            if _first_made:
-                return resource, self._tfdp_device_iterators(*args)
-            with _logs.dropping_generator_notice():
-                iterators = self._tfdp_device_iterators(*args)
-            _first_made = True
-        return resource, iterators
+        if not _first_made:
+            # The process's first generator dataset iterator: TF logs a one-time INFO line then
+            # that plain Keras never causes (tfdp.logs.dropping_generator_notice says which). One
+            # thread at a time: the process's stderr is redirected meanwhile.
+            with _first_lock:
+                if not _first_made:
+                    with _logs.dropping_generator_notice():
+                        iterators = self._tfdp_device_iterators(*args)
+                    _first_made = True
+                    return resource, iterators
+        return resource, self._tfdp_device_iterators(*args)
 
     def _tfdp_device_iterators(self, dataset, devices, source_device, resource, incarnation,
                                handle, spec_key, prefetch_buffer_size):
