@@ -93,6 +93,20 @@ def test_unread_iterators_of_independent_pipelines_are_never_built(strategies):
     assert _built(iter(eager))   # its seed draw happens when it is made, as TF's
 
 
+def test_cpu_replica_generator_functions_are_single_device(strategies):
+    # tf.data runs grappler over a multi-device generator function in every new iterator (~10 ms
+    # per replica and iterator on CPU): on CPU replicas init and finalize carry the mark TF gives
+    # its next function, which makes them single-device (same elements: the test above)
+    from tfdp.compat import iterator_internals
+    tfdp_strategy, _ = strategies
+    next(iter(tfdp_strategy.experimental_distribute_dataset(PIPELINES["batch"]())))
+    cached = [f for f in iterator_internals._functions.values() if f is not None]
+    assert cached
+    for fns in cached:
+        for fn in (fns.init_func, fns.next_func, fns.finalize_func):
+            assert fn.function_def.attr["experimental_ints_on_device"].b, fn.name
+
+
 def test_release_in_background_only_without_python(strategies):
     tfdp_strategy, _ = strategies
     for name, background in (("batch", True), ("generator", False)):

@@ -17,7 +17,8 @@ MirroredStrategy pays the same):
 :func:`fast_iterators` marks a distributed dataset so that its eager iterators are built by
 ``tfdp.compat.iterator_internals.CachedMultiDeviceIterator``: the same multi-device iterator
 (same ops, same element order, same components), with the per-device functions traced once per
-(devices, element spec), no autotuning in the per-device prefetch (a fixed size of 1: nothing to
+(devices, element spec) and, on CPU replicas, instantiated without a grappler pass per
+iterator, no autotuning in the per-device prefetch (a fixed size of 1: nothing to
 tune), and, for pipelines that run no Python, destroyed in a background thread (TF releases the
 GIL while it waits). A pipeline that runs Python (``from_generator``, ``py_function``: Keras's
 generator and PyDataset inputs) keeps TF's synchronous destruction: a dying iterator must not
