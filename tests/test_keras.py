@@ -188,3 +188,39 @@ def test_empty_replica_batch_with_batchnorm_stays_finite():
     assert np.all(np.isfinite(hist.history["loss"])), hist.history
     assert all(np.all(np.isfinite(w)) for w in m.get_weights())
     assert_replicas_identical(s, m)
+
+
+def test_a_step_reads_only_its_own_models_variables():
+    # A loop of trials (Keras Tuner's form) builds and fits a new model under the same strategy
+    # while the previous one is still alive. The padded-replica restore (uneven batches) and the
+    # BatchNorm sync read only the stepped model's variables: when they read every variable the
+    # strategy had made, the previous model's ended in the new step's function, and once that
+    # model was collected (here: two workers, while the next step was traced) TF failed with
+    # "Called a function referencing variables which have been deleted".
+    import gc
+    x, y = make_data(210, seed=15)
+    s = tfdp.DataParallelStrategy(DEVS[4])
+    previous = build(s, "sgd_momentum", batchnorm=True)
+    previous.fit(x, y, batch_size=52, epochs=1, shuffle=False, verbose=0)
+    theirs = {id(c.handle) for v in list(previous.variables) + list(previous.metrics_variables)
+              for c in s.experimental_local_results(v.value)}
+    captured = []
+
+    class Trial(keras.Model):
+        def train_step(self, data):
+            out = super().train_step(data)
+            graph = tf.compat.v1.get_default_graph()  # this step's function, being traced
+            captured.append(sum(id(t) in theirs for t in graph.external_captures))
+            return out
+
+    with s.scope():
+        base = build(None, "sgd_momentum", batchnorm=True)
+        m = Trial(base.inputs, base.outputs)
+        m.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    m.fit(x, y, batch_size=52, epochs=1, shuffle=False, verbose=0)
+    assert captured and not any(captured), captured
+    del previous
+    gc.collect()
+    hist = m.fit(x, y, batch_size=52, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(hist.history["loss"]))
+    assert_replicas_identical(s, m)

@@ -32,6 +32,7 @@ Outside a tfdp step every hook calls Keras's own code unchanged.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -205,7 +206,9 @@ def _mean_update_state(original):
 
 def keras_step(step_function):
     """``step_function`` (Keras's train/test/predict step, custom or not) marked as a Keras step
-    of the calling replica while it runs."""
+    of the calling replica while it runs (``__wrapped__``: the step, whose ``__self__`` is the
+    model)."""
+    @functools.wraps(step_function)
     def run(data):
         cur = current()
         if cur is not None:

@@ -119,7 +119,7 @@ class DataParallelExtendedBase:
         if shares is not None and not tf.executing_eagerly():
             args, step.padded = self._pad_empty_replicas(args, step.live)
             if step.padded:
-                saved = self._read_on_read_state()
+                saved = self._read_on_read_state(_model_variable_ids(fn))
         with gradient_path.running(self, step):
             result = self._run_replicas(fn, args, kwargs)
         if step.padded:
@@ -127,7 +127,7 @@ class DataParallelExtendedBase:
             result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
-            self._sync_layer_state(shares, replicas)
+            self._sync_layer_state(shares, replicas, _model_variable_ids(fn))
         return result
 
     # --- empty replicas: one real example, share 0, nothing counted ---------------------------
@@ -190,11 +190,11 @@ class DataParallelExtendedBase:
 
         return tf.nest.map_structure(pad, args), bool(padded)
 
-    def _read_on_read_state(self):
+    def _read_on_read_state(self, only=None):
         saved = []
         for ref in self._tfdp_on_read_vars:
             v = ref()
-            if v is not None:
+            if v is not None and (only is None or id(v) in only):
                 vals = []
                 for c in v.values:
                     with tf.device(c.device):
@@ -340,7 +340,7 @@ class DataParallelExtendedBase:
             self._tfdp_on_read_vars.append(weakref.ref(v))
         return v
 
-    def _sync_layer_state(self, shares, replicas):
+    def _sync_layer_state(self, shares, replicas, only=None):
         """Average float non-trainable variables with aggregation NONE across replicas.
 
         Such variables (BatchNorm moving statistics) are updated by each replica with its own
@@ -358,7 +358,8 @@ class DataParallelExtendedBase:
                     skip.add(id(getattr(v, "value", v)))
         alive = [r() for r in self._tfdp_state_vars]
         self._tfdp_state_vars = [r for r, v in zip(self._tfdp_state_vars, alive) if v is not None]
-        targets = [v for v in alive if v is not None and id(v) not in skip]
+        targets = [v for v in alive if v is not None and id(v) not in skip
+                   and (only is None or id(v) in only)]
         if not targets:
             return
         pairs = []
@@ -426,6 +427,24 @@ class DataParallelExtendedBase:
             return self._tfdp_reduce.batch_reduce(reduce_op, pairs,
                                                   ReduceOptions(weights=step.masks))
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+
+def _model_variable_ids(fn):
+    """The ids of the TF variables of the Keras model whose step ``fn`` is (its bound
+    ``train_step`` / ``test_step`` / ``predict_step``, as Keras passes it to ``strategy.run``,
+    maybe wrapped), or None when ``fn`` is not a model's step (a custom loop's function).
+
+    A step's padded-replica restore and layer-state sync touch these only. The strategy's
+    registries hold the variables of every model made under it, and a step that read another
+    model's variables would keep them in its function: TF holds only weak references, so once
+    that model is collected (even while the new step is being traced) the function fails with
+    "Called a function referencing variables which have been deleted"."""
+    import inspect
+    model = getattr(inspect.unwrap(fn), "__self__", None)
+    if model is None or not hasattr(model, "metrics_variables"):
+        return None
+    return {id(getattr(v, "value", v))
+            for v in list(model.variables) + list(model.metrics_variables)}
 
 
 class OneReplicaDataset(tf.distribute.DistributedDataset):
