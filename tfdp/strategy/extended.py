@@ -16,6 +16,7 @@ strategy alike:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import tensorflow as tf
@@ -116,10 +117,11 @@ class DataParallelExtendedBase:
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
         step = gradient_path.StepContext(shares)
+        own = _model_variable_ids(fn) if replicas > 1 else None  # (None: every variable)
         if shares is not None and not tf.executing_eagerly():
             args, step.padded = self._pad_empty_replicas(args, step.live)
             if step.padded:
-                saved = self._read_on_read_state(_model_variable_ids(fn))
+                saved = self._read_on_read_state(own)
         with gradient_path.running(self, step):
             result = self._run_replicas(fn, args, kwargs)
         if step.padded:
@@ -127,7 +129,7 @@ class DataParallelExtendedBase:
             result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
-            self._sync_layer_state(shares, replicas, _model_variable_ids(fn))
+            self._sync_layer_state(shares, replicas, own)
         return result
 
     # --- empty replicas: one real example, share 0, nothing counted ---------------------------
@@ -349,7 +351,8 @@ class DataParallelExtendedBase:
         by the batch-share-weighted mean of the copies (for a moving mean that is exactly the
         update with the global batch mean). Optimizer variables are left alone (every replica
         updates them identically). Ordered after the step's updates by TF's automatic control
-        dependencies on the same resources.
+        dependencies on the same resources. ``only``: the ids of the variables to consider (the
+        stepped model's, ``_model_variable_ids``; None: every one made under the strategy).
         """
         skip = set()
         for opt in self._tfdp_optimizers:
@@ -439,7 +442,6 @@ def _model_variable_ids(fn):
     model's variables would keep them in its function: TF holds only weak references, so once
     that model is collected (even while the new step is being traced) the function fails with
     "Called a function referencing variables which have been deleted"."""
-    import inspect
     model = getattr(inspect.unwrap(fn), "__self__", None)
     if model is None or not hasattr(model, "metrics_variables"):
         return None
