@@ -22,7 +22,14 @@ PIPELINES = {
     ).batch(8),
     "generator": lambda: tf.data.Dataset.from_generator(
         lambda: iter(range(30)), output_signature=tf.TensorSpec([], tf.int64)).batch(4),
+    "slack": lambda: tf.data.Dataset.range(40).batch(8).prefetch(2).with_options(_slack()),
 }
+
+
+def _slack():
+    options = tf.data.Options()
+    options.experimental_slack = True   # the per-device prefetch then has a slack period
+    return options
 
 
 def _epochs(distributed, epochs=3):
@@ -55,6 +62,31 @@ def test_same_elements_as_tf_multi_device_iterator(strategies, name):
     assert _epochs(ours) == ref
     it = iter(ours)
     assert isinstance(it._iterators[0]._iterator, compat.CachedMultiDeviceIterator)
+
+
+@pytest.mark.parametrize("buffer_size", [0, 3])
+def test_same_elements_with_a_per_replica_buffer_size(strategies, buffer_size):
+    # InputOptions(experimental_per_replica_buffer_size): no per-device prefetch at 0 (and the
+    # host pipeline's injected prefetch turned off, as TF does), a larger one at 3
+    tfdp_strategy, mirrored = strategies
+    options = tf.distribute.InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    ours = tfdp_strategy.experimental_distribute_dataset(PIPELINES["uneven"](), options)
+    ref = mirrored.experimental_distribute_dataset(PIPELINES["uneven"](), options)
+    assert _epochs(ours, 2) == _epochs(ref, 2)
+    assert isinstance(iter(ours)._iterators[0]._iterator, compat.CachedMultiDeviceIterator)
+
+
+def test_per_device_options_are_one_setting_in_two_forms():
+    # tfdp makes per-device datasets from their ops (serialized options) and, where TF's own
+    # per-device dataset is used, with tf.data.Options: the same settings
+    from tensorflow.core.framework import dataset_options_pb2
+    from tfdp.compat import iterator_internals
+    proto = dataset_options_pb2.Options.FromString(iterator_internals._DEVICE_OPTIONS)
+    options = tf.data.Options()
+    options._from_proto(proto)
+    assert options == iterator_internals._python_device_options()
+    assert not options.autotune.enabled
+    assert not options.experimental_optimization.apply_default_optimizations
 
 
 def test_mirrored_strategy_is_left_alone(strategies):
