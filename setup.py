@@ -30,8 +30,8 @@ if _tf_flavour not in ("cpu", "gpu"):
 # sync-on-write (MirroredVariables that all-reduce every metric update), which breaks tfdp's
 # metrics and accumulation; with 3.10 and 3.11, compile(jit_compile=True) on several CPU replicas
 # fails (a replica's XLA step reads another replica's variable).
-TF_RANGE = ">=2.19,<2.22"
-KERAS_RANGE = ">=3.12,<3.16"
+TF_RANGE = ">=2.19,<2.23"
+KERAS_RANGE = ">=3.12,<3.17"
 TF_REQ = ("tensorflow-cpu" if _tf_flavour == "cpu" else "tensorflow[and-cuda]") + TF_RANGE
 
 # The documentation site (mkdocs.yml): MkDocs + Material + mkdocstrings, pinned so that

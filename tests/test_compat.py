@@ -76,18 +76,22 @@ def test_every_overridden_private_hook_is_listed():
     assert unlisted == []
 
 
+def _listed_homes():
+    return {(id(names.home(e)), e.name) for e in (*names.NAMES, *names.PUBLIC)
+            if names.home(e) is not None}
+
+
 def test_every_wrapped_keras_point_is_listed():
     from tfdp import compat
     points = {}
     points.update(compat.keras_hook_points())
+    points.update(compat.keras_symbolic_build_points())
     points.update(compat.keras_callbacks_hook_points())
     points.update(compat.keras_perf_hook_points())
-    unlisted = []
-    for owner, attr in points.values():
-        where = (f"{owner.__module__}:{owner.__qualname__}" if isinstance(owner, type)
-                 else owner.__name__)
-        if (where, attr) not in LISTED:
-            unlisted.append((where, attr))
+    points.update(compat.keras_zero_hook_points())
+    listed = _listed_homes()
+    unlisted = [(getattr(owner, "__qualname__", owner.__name__), attr)
+                for owner, attr in points.values() if (id(owner), attr) not in listed]
     assert unlisted == []
 
 
@@ -95,15 +99,15 @@ def test_untested_versions_warn_once(monkeypatch, caplog):
     versions = {"tensorflow": None, "tensorflow-cpu": "2.23.1", "keras": "3.15.1"}
     monkeypatch.setattr(names, "_version", lambda dists: next(
         (versions[d] for d in dists if versions.get(d)), None))
-    assert names.untested_versions() == ["tensorflow 2.23.1 (tested: 2.19-2.21)"]
+    assert names.untested_versions() == ["tensorflow 2.23.1 (tested: 2.19-2.22)"]
     monkeypatch.setattr(names, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="tfdp"):
         names.warn_if_untested()
         names.warn_if_untested()
     lines = [r.getMessage() for r in caplog.records if "untested" in r.getMessage()]
-    assert len(lines) == 1 and "tensorflow 2.23.1 (tested: 2.19-2.21)" in lines[0]
+    assert len(lines) == 1 and "tensorflow 2.23.1 (tested: 2.19-2.22)" in lines[0]
     versions.update({"tensorflow-cpu": "2.19.0", "keras": "3.9.0"})
-    assert names.untested_versions() == ["keras 3.9.0 (tested: 3.12-3.15)"]
+    assert names.untested_versions() == ["keras 3.9.0 (tested: 3.12-3.16)"]
     versions.update({"keras": "3.12.0"})
     assert names.untested_versions() == []
 

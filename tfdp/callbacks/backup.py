@@ -44,6 +44,7 @@ import keras
 
 from tfdp._version import __version__
 from tfdp.callbacks import backup_resume, input_position
+from tfdp.compat import names
 from tfdp.callbacks.backup_files import (  # noqa: F401  (BackupError etc.: public here too)
     _STATE_RE, _TMP_PREFIX, FORMAT, FORMAT_VERSION, SIDECAR, BackupError, _atomic_write,
     _variables, check_backup_dir, fingerprint, read_sidecar)
@@ -104,6 +105,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True,
                  position_input: bool = True):
         super().__init__()
+        names.require("resume", by="tfdp.callbacks.BackupAndRestore")
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise invalid_argument("backup_dir", backup_dir, fix="Pass a directory path.")
         self.backup_dir = os.fspath(backup_dir)

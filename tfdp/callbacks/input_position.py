@@ -48,9 +48,11 @@ _UNSET = object()
 class InputTracker:
     """The position of one ``fit``'s input (attached to its Keras epoch iterator)."""
 
-    def __init__(self, epoch_iterator, global_seed):
+    def __init__(self, epoch_iterator, global_seed, input_kind="dataset", shuffles=False):
         self._epoch_iterator = weakref.ref(epoch_iterator)
         self.global_seed = global_seed   # the global seed when fit made its input (None: unset)
+        self.input_kind = input_kind     # what fit reads (compat.keras_input_kind)
+        self.shuffles = shuffles         # fit shuffles array input (compat.keras_input_shuffles)
         self.created = 0                 # iterators made over the data (replayed ones included)
         self.consumed = 0                # batches read from the latest iterator
         self.pending = None              # (iterator index, batches to skip, steps done in epoch)
@@ -201,13 +203,12 @@ def not_exact_reasons(tracker) -> list[str]:
     ei = tracker.epoch_iterator
     if ei is None:
         return ["the input is gone"]
-    adapter = ei.data_adapter
     reasons = []
-    if compat.keras_array_adapter_shuffles(adapter) and tracker.global_seed is None:
+    if tracker.shuffles and tracker.global_seed is None:
         reasons.append("numpy input shuffled (fit's default shuffle=True) without a global "
                        "seed draws a new order in every run: call keras.utils.set_random_seed(s)"
                        " at the start of the script, or pass shuffle=False")
-    kind = compat.keras_python_data_adapter(adapter)
+    kind = tracker.input_kind if tracker.input_kind in ("generator", "PyDataset") else None
     if kind is not None:
         reasons.append(f"a {kind} is replayed by drawing the consumed batches again, which is "
                        "exact only if it yields the same batches in the same order after a "
@@ -247,7 +248,9 @@ def _init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if compat.keras_is_fit_epoch_iterator(kwargs):
-            self._tfdp_input = InputTracker(self, compat.tf_global_seed())
+            self._tfdp_input = InputTracker(
+                self, compat.tf_global_seed(), compat.keras_input_kind(kwargs),
+                compat.keras_input_shuffles(kwargs))
             _local.last = weakref.ref(self)
     return __init__
 

@@ -12,6 +12,10 @@
   still exists in the installed TensorFlow / Keras, and ``import tfdp`` logs one warning under
   an untested version (from package metadata: ``import tfdp`` still imports no TensorFlow).
 
+Before the first helper is loaded, the features tfdp cannot do without are checked against the
+installed TensorFlow / Keras (``names.require``): a missing name is one line naming it, the
+versions and what to install, not an ImportError from deep inside tfdp.
+
 Whatever must differ between supported versions lives here, keyed on features (``hasattr``, a
 failed import), never on version strings. ``from tfdp import compat as tfp`` gives every helper
 as an attribute (``tfp.MirroredExtended``, ``tfp.wrap``, ...), loaded when first used.
@@ -23,8 +27,16 @@ _SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
                "tfdp.compat.iterator_internals")
 
 
+_checked = False
+
+
 def __getattr__(name):
+    global _checked
     if not name.startswith("__"):
+        if not _checked:  # (one line, not an ImportError deep in tfdp, on an untested Keras)
+            from tfdp.compat import names
+            names.require(*names.ESSENTIAL)
+            _checked = True
         for sub in _SUBMODULES:
             module = importlib.import_module(sub)
             if name in vars(module):

@@ -14,7 +14,12 @@ import functools
 
 import tensorflow as tf
 
+from tfdp.compat import names
 from tfdp.compat.tf_internals import _context, _values
+
+_OPTIMIZER = "keras.optimizers:Optimizer"
+_TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"  # (Keras 3.16: Trainer)
+_EPOCH_IT = "keras.src.backend.tensorflow.trainer:TFEpochIterator"
 
 # --- Keras 3 internals (the TensorFlow backend) --------------------------------------------------
 #
@@ -49,42 +54,66 @@ from tfdp.compat.tf_internals import _context, _values
 #       (``keras_epoch_iterator_element_spec``: TFEpochIterator._distributed_dataset, and the
 #       per-replica components of TF's PerReplicaSpec).
 
+def _point(owner, name):
+    return names.point(owner, name)
+
+
 def keras_hook_points():
-    """{name: (owner, attribute)} for every Keras internal tfdp wraps (owner: class or module)."""
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.losses import loss as loss_module
-    from keras.src.metrics import reduction_metrics
-    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    """{name: (owner, attribute)} for every Keras internal the gradient path wraps (owner: class
+    or module; found where the installed Keras keeps it: ``tfdp.compat.names``)."""
     return {
-        "scale_loss": (loss_module, "scale_loss_for_distribution"),
-        "unscale_loss": (loss_module, "unscale_loss_for_distribution"),
-        "reduce_weighted_values": (loss_module, "reduce_weighted_values"),
-        "mean_update_state": (reduction_metrics.Mean, "update_state"),
+        "scale_loss": _point("keras.src.losses.loss", "scale_loss_for_distribution"),
+        "unscale_loss": _point("keras.src.losses.loss", "unscale_loss_for_distribution"),
+        "reduce_weighted_values": _point("keras.src.losses.loss", "reduce_weighted_values"),
+        "mean_update_state": _point("keras.metrics:Mean", "update_state"),
         # (TensorFlow's public GradientTape: a hand-written loss in a Keras step function)
-        "tape_gradient": (tf.GradientTape, "gradient"),
-        "apply": (base_optimizer.BaseOptimizer, "apply"),
-        "loss_scale_apply": (loss_scale_optimizer.LossScaleOptimizer, "apply"),
-        "clip_gradients": (base_optimizer.BaseOptimizer, "_clip_gradients"),
-        "all_reduce_sum_gradients": (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients"),
-        "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
-        "make_function": (tf_trainer.TensorFlowTrainer, "_make_function"),
+        "tape_gradient": _point("tensorflow:GradientTape", "gradient"),
+        "apply": _point(_OPTIMIZER, "apply"),
+        "loss_scale_apply": _point("keras.optimizers:LossScaleOptimizer", "apply"),
+        "clip_gradients": _point(_OPTIMIZER, "_clip_gradients"),
+        "all_reduce_sum_gradients": _point(_OPTIMIZER, "_all_reduce_sum_gradients"),
+        "make_function": _point(_TRAINER, "_make_function"),
     }
 
 
-def keras_loss_reduction():
-    """(keras.ops, standardize_reduction, apply_mask, squeeze_or_expand_to_same_rank): the
-    helpers Keras's ``reduce_weighted_values`` is built from (keras.src.losses.loss)."""
-    from keras import ops
-    from keras.src.losses import loss as loss_module
-    return (ops, loss_module.standardize_reduction, loss_module.apply_mask,
-            loss_module.squeeze_or_expand_to_same_rank)
+def keras_symbolic_build_points():
+    """{name: (owner, attribute)}: Keras's symbolic build of an unbuilt model at ``fit``."""
+    return {"symbolic_build": _point(_TRAINER, "_maybe_symbolic_build")}
+
+
+def keras_mask_weights(sample_weight, mask, dtype, ops):
+    """Sample weights times a 0/1 ``mask`` (either may be None), brought to one rank, as
+    Keras's ``apply_mask(..., reduction="sum")`` computes them (public ``keras.ops`` only)."""
+    if mask is None:
+        return sample_weight
+    mask = ops.cast(mask, dtype=dtype)
+    if sample_weight is None:
+        return mask
+    mask, sample_weight = keras_same_rank(mask, ops.cast(sample_weight, dtype=dtype), ops)
+    return sample_weight * mask
+
+
+def keras_same_rank(x1, x2, ops):
+    """Squeeze or expand the last axis of one of two tensors whose ranks differ by one, as
+    Keras's ``squeeze_or_expand_to_same_rank`` does for losses (public ``keras.ops`` only)."""
+    r1, r2 = len(x1.shape), len(x2.shape)
+    if r1 == r2 + 1 and x1.shape[-1] == 1:
+        if r2 == 1:
+            x2 = ops.expand_dims(x2, axis=-1)
+        else:
+            x1 = ops.squeeze(x1, axis=-1)
+    elif r2 == r1 + 1 and x2.shape[-1] == 1:
+        if r1 == 1:
+            x1 = ops.expand_dims(x1, axis=-1)
+        else:
+            x2 = ops.squeeze(x2, axis=-1)
+    return x1, x2
 
 
 def keras_builtin_train_step():
-    """Keras's own ``TensorFlowTrainer.train_step`` (the function, to compare with)."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    return tf_trainer.TensorFlowTrainer.train_step
+    """Keras's own ``train_step`` (the function, to compare with): ``keras.Model``'s."""
+    import keras
+    return keras.Model.train_step
 
 
 _TFDP_ORIGINAL = "__tfdp_original__"
@@ -221,15 +250,13 @@ def keras_epoch_iterator_element_spec(iterator):
 
 def keras_callbacks_hook_points():
     """{name: (owner class, attribute)} for every Keras internal tfdp.callbacks wraps."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.callbacks import backup_and_restore, csv_logger, model_checkpoint
     return {
-        "epoch_iterator_init": (tf_trainer.TFEpochIterator, "__init__"),
-        "epoch_iterator_get_iterator": (tf_trainer.TFEpochIterator, "_get_iterator"),
-        "backup_save": (backup_and_restore.BackupAndRestore, "_save_model"),
-        "backup_train_end": (backup_and_restore.BackupAndRestore, "on_train_end"),
-        "checkpoint_save": (model_checkpoint.ModelCheckpoint, "_save_model"),
-        "csv_train_begin": (csv_logger.CSVLogger, "on_train_begin"),
+        "epoch_iterator_init": _point(_EPOCH_IT, "__init__"),
+        "epoch_iterator_get_iterator": _point(_EPOCH_IT, "_get_iterator"),
+        "backup_save": _point("keras.callbacks:BackupAndRestore", "_save_model"),
+        "backup_train_end": _point("keras.callbacks:BackupAndRestore", "on_train_end"),
+        "checkpoint_save": _point("keras.callbacks:ModelCheckpoint", "_save_model"),
+        "csv_train_begin": _point("keras.callbacks:CSVLogger", "on_train_begin"),
     }
 
 
@@ -240,24 +267,27 @@ def keras_is_fit_epoch_iterator(init_kwargs) -> bool:
     return "class_weight" in init_kwargs
 
 
-def keras_array_adapter_shuffles(data_adapter):
-    """Whether ``data_adapter`` is Keras's numpy/array adapter with ``shuffle`` on (it then
+def keras_input_kind(init_kwargs):
+    """What a ``TFEpochIterator`` made with these keyword arguments reads, from the ``x`` that
+    ``fit`` passed (public types only): "PyDataset", "generator" (Keras runs Python to produce
+    each batch), "dataset" (tf.data or a distributed dataset), else "arrays"."""
+    import collections.abc
+    import keras
+    x = init_kwargs.get("x")
+    if isinstance(x, keras.utils.PyDataset):
+        return "PyDataset"
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        return "dataset"
+    if isinstance(x, collections.abc.Iterator) and not isinstance(x, tf.data.Iterator):
+        return "generator"
+    return "arrays"
+
+
+def keras_input_shuffles(init_kwargs) -> bool:
+    """Whether ``fit`` shuffles array input (``shuffle`` on: Keras's array adapter then
     shuffles with ``tf.random.shuffle`` in its tf.data pipeline, seeded only by the global seed
     in force when the epoch iterator was made)."""
-    from keras.src.trainers.data_adapters import array_data_adapter
-    return (isinstance(data_adapter, array_data_adapter.ArrayDataAdapter)
-            and bool(getattr(data_adapter, "_shuffle", False)))
-
-
-def keras_python_data_adapter(data_adapter):
-    """The kind of Keras adapter that runs Python to produce batches ("generator",
-    "PyDataset"), or None for arrays and tf.data."""
-    from keras.src.trainers.data_adapters import generator_data_adapter, py_dataset_adapter
-    if isinstance(data_adapter, generator_data_adapter.GeneratorDataAdapter):
-        return "generator"
-    if isinstance(data_adapter, py_dataset_adapter.PyDatasetAdapter):
-        return "PyDataset"
-    return None
+    return keras_input_kind(init_kwargs) == "arrays" and bool(init_kwargs.get("shuffle"))
 
 
 def tf_global_seed():
@@ -375,16 +405,15 @@ def keras_model_checkpoint_writing_to(callback, directory):
 
 def keras_perf_hook_points():
     """{name: (owner, attribute)} of the Keras internals the perf hooks wrap (owner: module)."""
-    from keras.src.backend.tensorflow import numpy as tf_numpy
-    from keras.src.optimizers import sgd
-    return {"take": (tf_numpy, "take"), "sgd_build": (sgd.SGD, "build")}
+    return {"take": _point("keras.src.backend.tensorflow.numpy", "take"),
+            "sgd_build": _point("keras.optimizers:SGD", "build")}
 
 
 def keras_variable_storage(x):
     """The ``tf.Variable`` (or tf.distribute variable) behind a Keras variable ``x`` as a read
     would see it, or None: not a Keras variable, or a read that would cast (autocast)."""
-    from keras.src.backend.common import variables as keras_variables
-    if not isinstance(x, keras_variables.Variable):
+    import keras
+    if not isinstance(x, keras.Variable):
         return None
     value = x.value  # (the storage itself unless an autocast scope casts it)
     import tensorflow as tf
@@ -402,12 +431,11 @@ def keras_variable_storage(x):
 
 def keras_zero_hook_points():
     """{name: (owner, attribute)} of the Keras internals ``tfdp.zero`` wraps."""
-    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
     return {
-        "build": (base_optimizer.BaseOptimizer, "build"),
-        "backend_apply_gradients": (base_optimizer.BaseOptimizer, "_backend_apply_gradients"),
-        "apply": (base_optimizer.BaseOptimizer, "apply"),
-        "loss_scale_apply": (loss_scale_optimizer.LossScaleOptimizer, "apply"),
+        "build": _point(_OPTIMIZER, "build"),
+        "backend_apply_gradients": _point(_OPTIMIZER, "_backend_apply_gradients"),
+        "apply": _point(_OPTIMIZER, "apply"),
+        "loss_scale_apply": _point("keras.optimizers:LossScaleOptimizer", "apply"),
     }
 
 

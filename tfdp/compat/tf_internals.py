@@ -16,12 +16,12 @@ from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 # Build Mirrored / PerReplica containers from per-device components; select one replica's values.
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
-# Which kernels are registered (is the NCCL all-reduce kernel built into this TF?).
-from tensorflow.python.framework import kernels as _kernels
 # Whether the function being traced is compiled by XLA (jit_compile=True).
 from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 import contextlib
+
+from tfdp.compat import names as _names
 
 # CollectiveAllReduceExtended: MultiWorkerMirroredStrategy's extended (cluster/server start-up,
 # collective runtime configuration, initial-value broadcast from worker 0, per-worker input
@@ -169,23 +169,41 @@ def sharded_variable(variables, name: str):
 
 
 def select_replica(replica_id: int, structure):
-    """The components of replica ``replica_id`` in a structure of PerReplica values."""
-    return _distribute_utils.select_replica(replica_id, structure)
+    """The components of replica ``replica_id`` in a structure of PerReplica values; distributed
+    variables stay whole (as TF's ``distribute_utils.select_replica``, with public names)."""
+    def one(x):
+        if isinstance(x, tf.distribute.DistributedValues) and not isinstance(x, tf.Variable):
+            return x.values[replica_id]
+        return x
+    return tf.nest.map_structure(one, structure)
 
 
 def nccl_kernel_registered() -> bool:
-    """Whether this TensorFlow build has the NCCL all-reduce GPU kernel."""
-    try:
-        kernels = _kernels.get_registered_kernels_for_op("NcclAllReduce")
-    except Exception:  # the op itself may be unknown in CPU-only builds
-        return False
-    return any(k.device_type == "GPU" for k in kernels.kernel)
+    """Whether this TensorFlow build has NCCL (a CUDA or ROCm build: ``tf.sysconfig``)."""
+    info = tf.sysconfig.get_build_info()
+    return bool(info.get("is_cuda_build") or info.get("is_rocm_build"))
+
+
+_nccl_calls = iter(range(1 << 62))
 
 
 def nccl_all_sum(tensors):
-    """TF's own NCCL all-sum over tensors on distinct GPUs (one output per input device)."""
-    from tensorflow.python.ops import nccl_ops
-    return nccl_ops.all_sum(tensors)
+    """NCCL all-sum over tensors on distinct GPUs (one output per input device): the public
+    ``tf.raw_ops.NcclAllReduce``, as TF's own ``nccl_ops.all_sum`` calls it (one shared name
+    per call; inside a function when eager)."""
+    tensors = list(tensors)
+    shared_name = f"tfdp_nccl_all_sum_{next(_nccl_calls)}"
+
+    def all_sum():
+        out = []
+        for t in tensors:
+            with tf.device(t.device):
+                out.append(tf.raw_ops.NcclAllReduce(
+                    input=t, reduction="sum", num_devices=len(tensors),
+                    shared_name=shared_name))
+        return out
+
+    return tf.function(all_sum)() if tf.executing_eagerly() else all_sum()
 
 
 def current_replica_id():
@@ -237,13 +255,22 @@ def in_xla_context() -> bool:
     return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-# tf.data's pipeline structure (tfdp.data._no_alias walks it to find Python-function sources).
+# tf.data's pipeline structure (tfdp.callbacks.input_position and tfdp.data._iterators walk it:
+# Python-function sources, shuffles, stateful ops). Both callers take any error as "unknown".
+
+def _walkable():
+    if not _names.available("pipeline_walk"):
+        raise LookupError("tf.data's pipeline structure is not readable in this TensorFlow "
+                          "(tfdp.compat.names: pipeline_walk)")
+
 
 def dataset_inputs(dataset):
     """The datasets ``dataset`` reads from (``tf.data.Dataset._inputs``)."""
+    _walkable()
     return dataset._inputs()  # pylint: disable=protected-access
 
 
 def dataset_functions(dataset):
     """The traced functions of ``dataset``'s transformation (``tf.data.Dataset._functions``)."""
+    _walkable()
     return dataset._functions()  # pylint: disable=protected-access

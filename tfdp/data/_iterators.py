@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 
 from tfdp import compat
+from tfdp.compat import names
 from tfdp.data._no_alias import _PY_FUNC_OPS, _function_ops
 
 _SUBCLASSES = {}
@@ -101,6 +102,8 @@ def fast_iterators(distributed):
     """``distributed`` (a ``tf.distribute`` distributed dataset, changed in place) whose eager
     iterators are cheap to make and to destroy; anything else is returned unchanged."""
     cls = type(distributed)
+    if not names.available("fast_iterators"):  # (TF's own iterators: the strategy warned)
+        return distributed
     if getattr(cls, "tfdp_fast_iterators", False) or not compat.is_multi_device_dataset(
             distributed):
         return distributed

@@ -10,30 +10,37 @@ the last user is garbage-collected or released (``release(owner)``). Nothing of 
 in a process that imported tfdp without creating a strategy, or once its strategies are gone
 (``tests/test_adapter_scope.py`` compares such processes with one that never imported tfdp).
 
-========================  ========================================  ==============================
-set                       what it wraps                             used by
-========================  ========================================  ==============================
-``gradient_path``         loss scale/unscale, reduce_weighted_      every tfdp strategy
-                          values, Mean.update_state, GradientTape.
-                          gradient, optimizer apply (also the loss-
-                          scale wrapper's), _clip_gradients,
-                          _all_reduce_sum_gradients,
-                          _maybe_symbolic_build, _make_function
-                          (``tfdp.keras.gradient_path``, ``losses``)
-``perf``                  Keras's TF ``take``, ``SGD.build``        every tfdp strategy
-                          (sparse embedding reads)
-``zero``                  optimizer build, _backend_apply_          a strategy with zero_stage
-                          gradients, apply (``tfdp.zero.hooks``)    (from its first use)
-``input_position``        TFEpochIterator __init__ / _get_iterator  tfdp's BackupAndRestore
-                          (``tfdp.callbacks.input_position``)       callback, while it lives
-``shared_files``          Keras's BackupAndRestore / Model-         a multi-worker strategy
-                          Checkpoint / CSVLogger writers
-                          (``tfdp.callbacks.shared_files``)
-``peer_failure``          ``sys.excepthook`` (``tfdp.failures``)    a multi-worker strategy
-``device_alias``          the eager context's ``device`` (former    a multi-worker strategy whose
-                          local device names, ``tfdp.compat.        collective runtime started
-                          former_local_device_alias``)              late
-========================  ========================================  ==============================
+=================== ========================================= ========================= ==========
+set                 what it wraps                             used by                   if a name
+                                                                                        is missing
+=================== ========================================= ========================= ==========
+``gradient_path``   loss scale/unscale, reduce_weighted_      every tfdp strategy       refused
+                    values, Mean.update_state, GradientTape.
+                    gradient, optimizer apply (also the loss-
+                    scale wrapper's), _clip_gradients,
+                    _all_reduce_sum_gradients, _make_function
+                    (``tfdp.keras.gradient_path``, ``losses``)
+``symbolic_build``  _maybe_symbolic_build (an unbuilt model   every tfdp strategy       off
+                    built from the element spec)
+``perf``            Keras's TF ``take``, ``SGD.build``        every tfdp strategy       off
+                    (sparse embedding reads)
+``zero``            optimizer build, _backend_apply_          a strategy with           off
+                    gradients, apply (``tfdp.zero.hooks``)    zero_stage (first use)
+``input_position``  TFEpochIterator __init__ / _get_iterator  tfdp's BackupAndRestore   off
+                    (``tfdp.callbacks.input_position``)       callback, while it lives
+``shared_files``    Keras's BackupAndRestore / Model-         a multi-worker strategy   off
+                    Checkpoint / CSVLogger writers
+                    (``tfdp.callbacks.shared_files``)
+``peer_failure``    ``sys.excepthook`` (``tfdp.failures``)    a multi-worker strategy   (public)
+``device_alias``    the eager context's ``device`` (former    a multi-worker strategy   refused
+                    local device names, ``tfdp.compat.        whose collective runtime
+                    former_local_device_alias``)              started late
+=================== ========================================= ========================= ==========
+
+The last column: what tfdp does when the installed TF / Keras lacks a name the set needs (its
+feature in ``tfdp.compat.names.FEATURES``): an essential set is refused with one line when the
+strategy is created; an extra is left out with one warning saying what the user loses, and
+Keras's own code runs (training stays exact).
 
 Each wrapper calls Keras's own code whenever no tfdp step is involved (no strategy, another
 strategy, one replica), so a function Keras traced while a tfdp strategy existed and traces again
@@ -57,10 +64,12 @@ from tfdp import compat as tfp
 class HookSet:
     """A group of wrappers at ``points()`` ({name: (owner, attribute)}) under one ``marker``; the
     module that owns the hooks provides them (``provide``: {name: make(original) ->
-    replacement}, and optionally its own install / remove)."""
+    replacement}, and optionally its own install / remove). ``feature``: the feature of
+    ``tfdp.compat.names`` whose names it needs (None: public names only)."""
 
-    def __init__(self, name, points, marker):
+    def __init__(self, name, points, marker, feature=None):
         self.name, self._points, self.marker = name, points, marker
+        self.feature = feature
         self.hooks = None                    # set by provide()
         self._install = self._remove = None  # (a module's own install / remove)
 
@@ -114,20 +123,25 @@ def _points(name):
 
 _CALLBACK_MARKER = "__tfdp_callbacks_original__"
 SETS = {s.name: s for s in (
-    HookSet("gradient_path", _points("keras_hook_points"), "__tfdp_original__"),
-    HookSet("perf", _points("keras_perf_hook_points"), "__tfdp_original__"),
-    HookSet("zero", _points("keras_zero_hook_points"), "__tfdp_zero_original__"),
+    HookSet("gradient_path", _points("keras_hook_points"), "__tfdp_original__",
+            "gradient_path"),
+    HookSet("symbolic_build", _points("keras_symbolic_build_points"), "__tfdp_original__",
+            "symbolic_build"),
+    HookSet("perf", _points("keras_perf_hook_points"), "__tfdp_original__", "sparse_reads"),
+    HookSet("zero", _points("keras_zero_hook_points"), "__tfdp_zero_original__", "zero"),
     HookSet("input_position",
             _subset(_points("keras_callbacks_hook_points"),
-                    ("epoch_iterator_init", "epoch_iterator_get_iterator")), _CALLBACK_MARKER),
+                    ("epoch_iterator_init", "epoch_iterator_get_iterator")), _CALLBACK_MARKER,
+            "input_position"),
     HookSet("shared_files",
             _subset(_points("keras_callbacks_hook_points"),
                     ("backup_save", "backup_train_end", "checkpoint_save", "csv_train_begin")),
-            _CALLBACK_MARKER),
+            _CALLBACK_MARKER, "shared_files"),
     HookSet("peer_failure", _peer_failure_points, "__tfdp_peer_failure_original__"),
-    HookSet("device_alias", _device_alias_points, "__tfdp_device_alias_original__"),
+    HookSet("device_alias", _device_alias_points, "__tfdp_device_alias_original__",
+            "multi_worker"),
 )}
-STRATEGY_SETS = ("gradient_path", "perf")  # what every tfdp strategy uses
+STRATEGY_SETS = ("gradient_path", "symbolic_build", "perf")  # what every tfdp strategy uses
 
 _lock = threading.Lock()
 _users: dict[str, int] = {}   # set name -> live users
@@ -135,13 +149,20 @@ _leases: dict[int, list] = {}  # id(owner) -> its weakref.finalize objects
 _pending: list = []           # releases queued while the table was busy
 
 
-def use(owner, *names) -> None:
+def use(owner, *names) -> list[str]:
     """Install the hook sets ``names`` (those not installed yet) for as long as ``owner`` lives,
-    or until ``release(owner)``. A set that fails to install (e.g. an unsupported Keras) raises
-    and counts no user."""
+    or until ``release(owner)``; returns the names in use. A set whose feature the installed
+    TF / Keras cannot provide (``tfdp.compat.names.require``) is refused when essential, else
+    left out with one warning (its feature is off; Keras's own code runs). A set that fails to
+    install raises and counts no user."""
     for name in names:
         if name not in SETS:
             raise KeyError(f"no hook set {name!r} (known: {sorted(SETS)})")
+    from tfdp.compat import names as private_names
+    off = private_names.require(*{SETS[n].feature for n in names if SETS[n].feature})
+    names = tuple(n for n in names if SETS[n].feature not in off)
+    if not names:
+        return []
     with _lock:
         counted = []
         try:
@@ -157,6 +178,7 @@ def use(owner, *names) -> None:
         lease.atexit = False  # (the process is ending: nothing to put back)
         _leases.setdefault(id(owner), []).append(lease)
     _drain()
+    return list(names)
 
 
 def release(owner) -> None:

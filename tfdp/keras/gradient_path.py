@@ -320,12 +320,11 @@ def _make_function(original):
             extended.refuse_xla("a custom train_step (tfdp compiles each replica's step with "
                                 "its optimizer updates outside XLA, which only Keras's own "
                                 "train_step allows)")
-        previous = self._jit_compile
-        self._jit_compile = False  # the outer step is not compiled: each replica's is
+        self.jit_compile = False  # the outer step is not compiled: each replica's is
         try:
             return original(self, _ReplicaXlaStep(losses.keras_step(step_function)))
         finally:
-            self._jit_compile = previous
+            self.jit_compile = True
     return make_function
 
 
@@ -335,9 +334,9 @@ _HOOKS = {
     "loss_scale_apply": _apply,
     "clip_gradients": _clip_gradients,
     "all_reduce_sum_gradients": _all_reduce_sum_gradients,
-    "symbolic_build": _symbolic_build,
     "make_function": _make_function,
 }
+_SYMBOLIC_BUILD_HOOKS = {"symbolic_build": _symbolic_build}  # (keras_symbolic_build_points)
 _PERF_HOOKS = {"take": _take, "sgd_build": _sgd_build}  # (compat.keras_perf_hook_points)
 _installed = False
 _install_lock = threading.Lock()
@@ -352,7 +351,7 @@ def check_keras() -> None:
             "This Keras creates metric variables sync-on-write (Keras before 3.10), "
             "which tfdp does not support: metrics and losses would differ from one device",
             f"keras=={keras.__version__}",
-            'Install a supported Keras: pip install "keras>=3.12,<3.16".'))
+            'Install a supported Keras: pip install "keras>=3.12,<3.17".'))
 
 
 def install() -> None:
@@ -376,6 +375,7 @@ def remove() -> None:
 
 
 adapter.provide("gradient_path", _HOOKS, install=install, remove=remove)
+adapter.provide("symbolic_build", _SYMBOLIC_BUILD_HOOKS)
 adapter.provide("perf", _PERF_HOOKS)
 
 __all__ = ["StepContext", "install", "remove", "running", "reduce_gradients",

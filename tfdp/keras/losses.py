@@ -117,11 +117,10 @@ def _reduce_weighted_values(original):
         if cur is None or cur[1].shares is None:
             return original(values, sample_weight=sample_weight, mask=mask,
                             reduction=reduction, dtype=dtype)
-        keras_ops, standardize, apply_mask, same_rank = tfp.keras_loss_reduction()
-        reduction = standardize(reduction)
-        if reduction in (None, "none"):
+        if reduction not in (*_MEANS, "sum"):  # None, "none", or invalid: Keras's own (error)
             return original(values, sample_weight=sample_weight, mask=mask,
                             reduction=reduction, dtype=dtype)
+        from keras import ops as keras_ops
         v = keras_ops.convert_to_tensor(values, dtype=dtype)
         if v.shape.rank == 0 and sample_weight is None and mask is None:
             return _scalar_loss(cur, v, reduction)
@@ -135,9 +134,9 @@ def _reduce_weighted_values(original):
         sw = None if sample_weight is None else keras_ops.convert_to_tensor(sample_weight,
                                                                              dtype=dtype)
         m = None if mask is None else keras_ops.convert_to_tensor(mask, dtype=dtype)
-        w = apply_mask(sw, m, dtype=v.dtype, reduction="sum")  # 0/1 mask times the weights
+        w = tfp.keras_mask_weights(sw, m, v.dtype, keras_ops)  # 0/1 mask times the weights
         if w is not None:
-            v, w = same_rank(v, keras_ops.cast(w, v.dtype))
+            v, w = tfp.keras_same_rank(v, keras_ops.cast(w, v.dtype), keras_ops)
             v = v * w
         local_sum = keras_ops.sum(v)
         if reduction == "sum":

@@ -29,6 +29,7 @@ On top of MirroredStrategy's variable mirroring and input pipeline it changes fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -36,6 +37,7 @@ import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
+from tfdp.compat import names
 from tfdp.errors import invalid_argument
 from tfdp.keras import gradient_path
 from tfdp.reduce.reducer import Reducer
@@ -48,6 +50,22 @@ from tfdp.strategy.setup_order import SetupOrderChecks
 log = logging.getLogger("tfdp")
 _logged_choices: set = set()
 _log_lock = threading.Lock()
+
+
+#: The extras of tfdp.compat.names every strategy uses (each off, with one warning, where the
+#: installed TF / Keras lacks a name it needs); ``zero`` too when zero_stage is set.
+_EXTRAS = ("symbolic_build", "sparse_reads", "fast_iterators", "pipeline_walk")
+
+
+def _supported(settings):
+    """``settings`` after checking the installed TF / Keras: refused (one line) when an
+    essential feature lacks a name; zero_stage 0 when sharded state cannot be hooked (the
+    warning says so)."""
+    off = names.require(*names.ESSENTIAL, *_EXTRAS, *(("zero",) if settings.zero_stage else ()),
+                        by="tfdp.DataParallelStrategy")
+    if "zero" in off:
+        settings = dataclasses.replace(settings, zero_stage=0)
+    return settings
 
 
 class DataParallelStrategy(tf.distribute.MirroredStrategy):
@@ -110,6 +128,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
             sparse=sparse, collective_timeout=collective_timeout,
             heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
             zero_stage=zero_stage)
+        settings = _supported(settings)
         self._cluster = self._resolve(cluster_resolver, cluster, devices, settings)
         extended = self._extended_class(self, settings, devices, self._cluster)
         # (MirroredStrategy.__init__ / MultiWorkerMirroredStrategy.__init__ minus their extended)

@@ -84,11 +84,7 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
     def _init_tf_extended(self, container_strategy, cluster):
         settings = self.tfdp_settings
         heartbeat_timeout = settings.heartbeat_timeout
-        # TF's Python health-check thread, used only where no coordination service runs: a peer
-        # is declared down after about interval + retries * timeout.
-        self._check_health_interval = max(1.0, heartbeat_timeout / 2)
-        self._check_health_timeout = max(1, int(heartbeat_timeout / 4))
-        self._check_health_retry_limit = 2
+        self._tfdp_cluster = cluster
         # TF's start-up waits (holding the GIL, deaf to signals) until every task has
         # connected: wait for the peers first, bounded and interruptible (tfdp.cluster.startup).
         deadline = startup.Deadline(settings.startup_timeout)
@@ -105,13 +101,13 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
             # were just renamed to this task's. Keep what was built before usable.
             from tfdp.keras import adapter  # (Context.device, while this strategy lives)
             adapter.use_device_alias(container_strategy, tfp.former_local_device_alias(
-                self._task_type, self._task_id))
+                cluster.task_type, cluster.task_id))
             _warn_variables_made_before()
         devs = list(self.worker_devices)
         choice = self._choose(devs)
         self._tf_collective_ops = self._cross_device_ops
         reduce = Reducer(
-            devs, self._num_workers, choice.algorithm, settings.bucket_bytes,
+            devs, cluster.num_workers, choice.algorithm, settings.bucket_bytes,
             settings.compression, settings.sparse, fallback=self._tf_collective_ops,
             timeout_seconds=settings.collective_timeout or 0.0)
         self._cross_device_ops = reduce
@@ -123,7 +119,8 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
         try:
             return super()._create_variable(next_creator, **kwargs)
         except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:
-            message = failures.model_mismatch_message(e, kwargs.get("name"), self._num_workers)
+            message = failures.model_mismatch_message(e, kwargs.get("name"),
+                                                      self._num_workers_in_job())
             if message is None:
                 raise
             raise TfdpError(message) from None
@@ -164,7 +161,7 @@ class MultiWorkerExtended(SetupOrderChecks, DataParallelExtendedBase,
                 "CPU")
 
     def _num_workers_in_job(self) -> int:
-        return self._num_workers
+        return self._tfdp_cluster.num_workers
 
     def _total_examples(self, local_total):
         """The job's example count this step: one cross-worker sum of the worker's count."""
