@@ -511,7 +511,7 @@ def require(*features: str, by: str = "tfdp") -> set[str]:
         if feature.essential:
             raise UnsupportedVersionError(
                 f"{by} cannot run on this TensorFlow / Keras: {feature.what} needs {listed}, "
-                f"which it does not have. Received: {_installed_versions()} ({_tested()}). "
+                f"which the installed version lacks. Received: {_installed_versions()} ({_tested()}). "
                 f"Install a tested pair: {_install_hint()}")
         off.add(name)
         if name not in _warned_features:

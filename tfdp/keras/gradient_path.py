@@ -45,12 +45,14 @@ strategy lives (``tfdp.keras.adapter``: sets ``gradient_path`` and ``perf``).
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
 import tensorflow as tf
 
 from tfdp import compat as tfp
+from tfdp.compat import names as tfp_names
 from tfdp.keras import adapter, losses
 from tfdp.keras.step import StepContext, is_tfdp, running  # noqa: F401 (the strategy's names)
 from tfdp.keras.step import current as _current
@@ -240,8 +242,23 @@ _symbolic = threading.local()
 
 def in_keras_symbolic_build() -> bool:
     """Whether Keras's ``_maybe_symbolic_build`` is running in this thread (it reduces the first
-    distributed batch with ``strategy.reduce("MEAN", axis=None)`` only to learn its shapes)."""
-    return getattr(_symbolic, "depth", 0) > 0
+    distributed batch with ``strategy.reduce("MEAN", axis=None)`` only to learn its shapes).
+
+    Where the ``symbolic_build`` hook is off (a Keras without the names it needs), Keras's own
+    build runs unhooked: then the caller is found on the stack instead, the first frame outside
+    tfdp and TensorFlow being Keras's TensorFlow trainer (the only Keras code that reduces with
+    ``axis=None``)."""
+    if getattr(_symbolic, "depth", 0) > 0:
+        return True
+    if tfp_names.available("symbolic_build"):
+        return False
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("tfdp.", "tensorflow.")):
+            return module.startswith("keras.src.backend.tensorflow")
+        frame = frame.f_back
+    return False
 
 
 def _symbolic_build(original):
