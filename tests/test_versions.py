@@ -37,6 +37,31 @@ def _ci_stages() -> list[tuple[str, str]]:
     return [(tf, keras) for tf, keras in pairs]
 
 
+def _ci_next_stages() -> list[tuple[str, str]]:
+    """The next stages' (TF, Keras) versions: pinned pre-release builds (``NAME==VERSION``)."""
+    text = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    keras = re.search(r'NIGHTLY_KERAS="([^"]+)"', text)
+    m = re.search(r'NEXT_STAGES=\$\{TFDP_CI_NEXT_STAGES:?-"([^"]*)"\}', text)
+    assert keras and m, ".ci/run defines no NEXT_STAGES default"
+    out = []
+    for pair in m.group(1).replace("\\\n", " ").replace("$NIGHTLY_KERAS", keras.group(1)).split():
+        tf_pin, keras_pin = pair.split(":")
+        assert "==" in tf_pin and "==" in keras_pin, f"a next stage is not pinned: {pair}"
+        out.append((tf_pin.split("==")[1], keras_pin.split("==")[1]))
+    return out
+
+
+def test_next_stages_pin_pre_releases_of_the_next_tensorflow_and_keras():
+    stages = _ci_next_stages()
+    assert len(stages) >= 2
+    assert all(Version(k).is_prerelease for _, k in stages)
+    keras_next = {Version(k).release[:2] for _, k in stages}
+    assert keras_next == {_minors(KERAS_SPEC, 3)[-1]}, (
+        "the next stages test the newest Keras setup.py allows", keras_next)
+    tf_next = {Version(tf).release[:2] for tf, _ in stages if Version(tf).is_prerelease}
+    assert _minors(TF_SPEC, 2)[-1] in tf_next, "the newest TF setup.py allows has no stage"
+
+
 def _minors(spec: SpecifierSet, major: int) -> list[tuple[int, int]]:
     return [(major, m) for m in range(100) if Version(f"{major}.{m}.0") in spec]
 
@@ -48,11 +73,11 @@ KERAS_SPEC = SpecifierSet(_setup_constant("KERAS_RANGE"))
 def test_declared_ranges_are_bounded_and_cover_the_supported_releases():
     tf_minors = _minors(TF_SPEC, 2)
     keras_minors = _minors(KERAS_SPEC, 3)
-    assert {(2, 19), (2, 20), (2, 21)} <= set(tf_minors), tf_minors
+    assert {(2, 19), (2, 20), (2, 21), (2, 22)} <= set(tf_minors), tf_minors
     # both ends bounded: a release tfdp was never tested with is not installed by pip
     assert Version("2.99.0") not in TF_SPEC and Version("3.0.0") not in TF_SPEC
     assert Version("3.99.0") not in KERAS_SPEC and Version("4.0.0") not in KERAS_SPEC
-    assert keras_minors and (3, 15) in keras_minors, keras_minors
+    assert keras_minors and (3, 16) in keras_minors, keras_minors
 
 
 def test_ci_tests_every_supported_tensorflow_and_both_ends_of_the_keras_range():
@@ -62,12 +87,17 @@ def test_ci_tests_every_supported_tensorflow_and_both_ends_of_the_keras_range():
     for tf, keras in stages:
         assert Version(tf) in TF_SPEC, f"CI stage TF {tf} is outside setup.py's {TF_SPEC}"
         assert Version(keras) in KERAS_SPEC, f"CI stage Keras {keras} outside {KERAS_SPEC}"
+    # the main suite runs on what setup.py resolves to: the newest TF released (2.21); the
+    # newest of the range (2.22) is tested before its release, in a next stage
+    next_stages = _ci_next_stages()
     staged = {Version(tf).release[:2] for tf, _ in stages}
-    # the main suite runs on what setup.py resolves to: the newest TF of the range
-    assert staged | {tf_minors[-1]} == set(tf_minors), (
+    released = max(Version(tf).release[:2] for tf, _ in next_stages
+                   if not Version(tf).is_prerelease)
+    staged_next = {Version(tf).release[:2] for tf, _ in next_stages}
+    assert staged | {released} | staged_next >= set(tf_minors), (
         f"TF releases in {TF_SPEC} without a CI stage: {sorted(set(tf_minors) - staged)}")
-    assert tf_minors[-1] not in staged
-    staged_keras = {Version(k).release[:2] for _, k in stages}
+    assert released not in staged
+    staged_keras = {Version(k).release[:2] for _, k in stages + next_stages}
     assert keras_minors[0] in staged_keras, (
         f"no CI stage tests the lowest Keras tfdp declares ({keras_minors[0]})")
     assert keras_minors[-1] in staged_keras, (
@@ -150,6 +180,6 @@ def test_strategy_refuses_a_keras_with_sync_on_write_metric_variables(monkeypatc
     monkeypatch.delattr("tfdp.compat.keras_metric_variables_sync_on_read", raising=False)
     monkeypatch.setattr(gradient_path, "_installed", False)
     with pytest.raises(TfdpError, match=r"sync-on-write .*Received: keras==3\.\d+.*"
-                                        r'pip install "keras>=3\.12,<3\.16"'):
+                                        r'pip install "keras>=3\.12,<3\.17"'):
         gradient_path.install()
     assert gradient_path._installed is False
