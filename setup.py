@@ -3,7 +3,7 @@
 TensorFlow flavour: the default requirement is ``tensorflow-cpu``. On a machine with NVIDIA GPUs
 install the CUDA build instead, *before* tfdp, so pip does not pull the CPU wheel::
 
-    pip install "tensorflow[and-cuda]>=2.19,<2.22" && pip install -e . --no-deps && pip install -e .
+    pip install "tensorflow[and-cuda]>=2.19,<2.23" && pip install -e . --no-deps && pip install -e .
 
 or simply ``TFDP_TF_PACKAGE=gpu pip install -e .`` which makes this setup.py require
 ``tensorflow[and-cuda]`` instead of ``tensorflow-cpu``.
