@@ -3,8 +3,8 @@ callbacks, the fast paths and sharded optimizer state, and the one mechanism tha
 (``wrap``, ``unwrap``: the adapter, ``tfdp.keras.adapter``, installs and removes every hook set
 through them).
 
-Checked against Keras 3.12 to 3.15 (``tfdp.compat.names`` lists every name and a test checks
-them).
+Checked against Keras 3.12 to 3.16 (``tfdp.compat.names`` lists every name, where other
+releases keep it, and the feature that needs it; a test checks them).
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ _EPOCH_IT = "keras.src.backend.tensorflow.trainer:TFEpochIterator"
 #   keras.src.losses.loss.scale_loss_for_distribution / unscale_loss_for_distribution
 #       every Keras loss passes through them (Loss.__call__'s mean reduction, compile()'s losses,
 #       the model's regularization losses, the loss trackers): replica r's share of the batch.
-#   keras.src.losses.loss.reduce_weighted_values (with standardize_reduction, apply_mask,
-#   squeeze_or_expand_to_same_rank)
+#   keras.src.losses.loss.reduce_weighted_values
 #       Loss.__call__ divides there: masked means, sample-weight means, sums and scalars get a
-#       divisor counted across replicas (tfdp.keras.losses).
-#   keras.src.metrics.reduction_metrics.Mean.update_state
+#       divisor counted across replicas (tfdp.keras.losses; the mask and weight helpers below
+#       recompute Keras's with public keras.ops).
+#   keras.metrics.Mean.update_state (public)
 #       a user's tracker of a scalar loss is weighted by the replica's share of the batch.
-#   BaseOptimizer.apply, LossScaleOptimizer.apply
+#   keras.optimizers.Optimizer.apply, LossScaleOptimizer.apply (public)
 #       the entry of every optimizer update (apply_gradients calls apply): reduce first.
-#   BaseOptimizer._clip_gradients
+#   Optimizer._clip_gradients
 #       the one call per update right before the update step, also inside Keras's
 #       gradient-accumulation update branch: reduce there when accumulating.
-#   TFOptimizer._all_reduce_sum_gradients
+#   Optimizer._all_reduce_sum_gradients (TFOptimizer's)
 #       Keras's own all-reduce, which must not reduce gradients tfdp already reduced.
-#   TensorFlowTrainer._make_function (and its _jit_compile attribute)
+#   TensorFlowTrainer._make_function (Keras 3.16: Trainer; with the public jit_compile)
 #       builds the train/test/predict function, XLA-compiled as a whole with jit_compile=True:
 #       on several CPU replicas tfdp compiles each replica's step instead (XLA cannot compile
 #       CPU collectives).
@@ -457,7 +457,7 @@ def set_keras_variable_value(variable, value) -> None:
     variable._value = value  # pylint: disable=protected-access
 
 
-# --- compat-versions (issue #12 item 5): TensorFlow 2.19-2.21, Keras 3.12-3.15 ---------------
+# --- compat-versions (issue #12 item 5): TensorFlow 2.19-2.22, Keras 3.12-3.16 ---------------
 #
 # Every TensorFlow private name tfdp uses (names.py) is the same in TF 2.19.1, 2.20.0 and
 # 2.21.0 (their tf.distribute, eager context and tf.data sources differ only in comments; the

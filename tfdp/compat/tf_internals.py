@@ -1,6 +1,6 @@
 """TensorFlow's private names: tf.distribute internals, the eager context, kernels, tf.data.
 
-Checked against TensorFlow 2.19, 2.20 and 2.21 (``tfdp.compat.names`` lists every name and a
+Checked against TensorFlow 2.19, 2.20, 2.21 and the 2.22 / 2.23 nightlies (``tfdp.compat.names`` lists every name and a
 test checks them). Each import says what it is used for.
 """
 
