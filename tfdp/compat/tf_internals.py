@@ -1,7 +1,7 @@
 """TensorFlow's private names: tf.distribute internals, the eager context, kernels, tf.data.
 
-Checked against TensorFlow 2.19, 2.20, 2.21 and the 2.22 / 2.23 nightlies (``tfdp.compat.names`` lists every name and a
-test checks them). Each import says what it is used for.
+Checked against TensorFlow 2.19, 2.20, 2.21 and the 2.22 / 2.23 nightlies (``tfdp.compat.names``
+lists every name and a test checks them). Each import says what it is used for.
 """
 
 from __future__ import annotations
