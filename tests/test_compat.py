@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tfdp.compat import names
+from tfdp.compat import names, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "tfdp")
@@ -96,24 +96,24 @@ def test_every_wrapped_keras_point_is_listed():
 
 
 def test_untested_versions_warn_once(monkeypatch, caplog):
-    versions = {"tensorflow": None, "tensorflow-cpu": "2.23.1", "keras": "3.15.1"}
-    monkeypatch.setattr(names, "_version", lambda dists: next(
-        (versions[d] for d in dists if versions.get(d)), None))
-    assert names.untested_versions() == ["tensorflow 2.23.1 (tested: 2.19-2.22)"]
-    monkeypatch.setattr(names, "_warned", False)
+    installed = {"tensorflow": None, "tensorflow-cpu": "2.23.1", "keras": "3.15.1"}
+    monkeypatch.setattr(versions, "_version", lambda dists: next(
+        (installed[d] for d in dists if installed.get(d)), None))
+    assert versions.untested_versions() == ["tensorflow 2.23.1 (tested: 2.19-2.22)"]
+    monkeypatch.setattr(versions, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="tfdp"):
-        names.warn_if_untested()
-        names.warn_if_untested()
+        versions.warn_if_untested()
+        versions.warn_if_untested()
     lines = [r.getMessage() for r in caplog.records if "untested" in r.getMessage()]
     assert len(lines) == 1 and "tensorflow 2.23.1 (tested: 2.19-2.22)" in lines[0]
-    versions.update({"tensorflow-cpu": "2.19.0", "keras": "3.9.0"})
-    assert names.untested_versions() == ["keras 3.9.0 (tested: 3.12-3.16)"]
-    versions.update({"keras": "3.12.0"})
-    assert names.untested_versions() == []
+    installed.update({"tensorflow-cpu": "2.19.0", "keras": "3.9.0"})
+    assert versions.untested_versions() == ["keras 3.9.0 (tested: 3.12-3.16)"]
+    installed.update({"keras": "3.12.0"})
+    assert versions.untested_versions() == []
 
 
 def test_installed_versions_are_tested():
-    assert names.untested_versions() == []
+    assert versions.untested_versions() == []
 
 
 @pytest.mark.parametrize("entry", names.NAMES, ids=lambda e: f"{e.owner}.{e.name}")
@@ -128,6 +128,6 @@ def test_tested_range_is_the_range_setup_py_installs():
     tf_range = re.search(r'TF_RANGE = ">=(\d+\.\d+),<(\d+)\.(\d+)"', text)
     keras_range = re.search(r'KERAS_RANGE = ">=(\d+\.\d+),<(\d+)\.(\d+)"', text)
     assert tf_range and keras_range
-    for (low, major, minor_end), tested in ((tf_range.groups(), names.TESTED_TENSORFLOW),
-                                            (keras_range.groups(), names.TESTED_KERAS)):
+    for (low, major, minor_end), tested in ((tf_range.groups(), versions.TESTED_TENSORFLOW),
+                                            (keras_range.groups(), versions.TESTED_KERAS)):
         assert tested == (low, f"{major}.{int(minor_end) - 1}")

@@ -7,7 +7,7 @@ TensorFlow is imported lazily, so ``import tfdp`` followed by ``tfdp.configure_c
 works before the TF runtime starts.
 
 Import-time effects: one warning when the installed TensorFlow or Keras is outside the tested
-range (``tfdp.compat.names``, read from package metadata); and when ``TFDP_CPU_REPLICAS`` is
+range (``tfdp.compat.versions``, read from package metadata); and when ``TFDP_CPU_REPLICAS`` is
 set, the host CPU is split into that many logical devices before TensorFlow's runtime starts
 (now if TensorFlow is already imported, else right after it is), so a script may build datasets,
 tensors and seeds before creating the strategy (``tfdp.devices.apply_cpu_replicas_env_early``).
@@ -16,7 +16,7 @@ tensors and seeds before creating the strategy (``tfdp.devices.apply_cpu_replica
 
 from tfdp._version import __version__
 from tfdp.devices import apply_cpu_replicas_env_early as _apply_cpu_replicas_env_early
-from tfdp.compat.names import warn_if_untested as _warn_if_untested
+from tfdp.compat.versions import warn_if_untested as _warn_if_untested
 from tfdp.devices import configure_cpu_replicas
 
 __all__ = ["DataParallelStrategy", "set_default_strategy", "configure_cpu_replicas", "callbacks",

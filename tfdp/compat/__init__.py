@@ -30,11 +30,14 @@ _SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
 _checked = False
 
 
+_OWN_MODULES = ("names", "versions", "tf_internals", "keras_internals", "iterator_internals")
+
+
 def __getattr__(name):
     global _checked
-    if not name.startswith("__"):
+    if not name.startswith("__") and name not in _OWN_MODULES:  # (submodules: the importer's)
         if not _checked:  # (one line, not an ImportError deep in tfdp, on an untested Keras)
-            from tfdp.compat import names
+            names = importlib.import_module("tfdp.compat.names")
             names.require(*names.ESSENTIAL)
             _checked = True
         for sub in _SUBMODULES:

@@ -1,16 +1,11 @@
 """Every private TensorFlow / Keras name tfdp relies on, in one list, grouped by the feature that
-needs it; the tested versions; and what tfdp does when a name is missing.
+needs it, and what tfdp does when a name is missing.
 
-Each entry names where it lives, what kind of reliance it is, and why tfdp needs it:
-
-* ``import``: a module or class imported from ``tensorflow.python`` / ``keras.src``;
-* ``call``: a private function or method tfdp calls (or an attribute it reads);
-* ``override``: a private method of a TF/Keras class that a tfdp subclass overrides (TF calls
-  it; the signature must still match);
-* ``wrap``: a function or method tfdp wraps (``tfdp.compat.wrap``; in place only while a hook
-  set's user lives: ``tfdp.keras.adapter``);
-* ``state``: an attribute TF/Keras sets in ``__init__`` (not on the class): checked by looking
-  for ``self.<name>`` in the owner's source.
+Each entry names where it lives, why tfdp needs it, and its kind: ``import`` (a module or class
+from ``tensorflow.python`` / ``keras.src``), ``call`` (a function or method called, an attribute
+read), ``override`` (a private method a tfdp subclass overrides: TF calls it), ``wrap`` (wrapped
+by ``tfdp.compat.wrap`` while a hook set's user lives: ``tfdp.keras.adapter``) or ``state`` (an
+attribute set in ``__init__``: looked for as ``self.<name>`` in the owner's source).
 
 An entry's ``also`` lists the owner's other homes in other releases (Keras 3.16 calls
 ``TensorFlowTrainer`` ``Trainer`` and moved ``backend.tensorflow.numpy`` to
@@ -26,10 +21,9 @@ warning saying what the user loses, and training stays exact without it (``requi
 sets of ``tfdp.keras.adapter`` name their feature). ``hiding()`` hides names from this lookup
 (tests check the refusal or the exact degraded run for every feature).
 
-``PUBLIC`` lists the public TF / Keras methods tfdp wraps (not counted as private names; a test
-checks them too). ``missing()`` returns the entries that the installed TF / Keras no longer have.
-``warn_if_untested()`` logs one warning when the installed versions are outside the tested
-range; it reads package metadata only, so ``import tfdp`` stays free of TensorFlow.
+``PUBLIC`` lists the public TF / Keras methods tfdp wraps (not private names; checked too).
+``missing()``: the entries the installed TF / Keras lack. The tested versions, and the warning
+``import tfdp`` logs outside them: ``tfdp.compat.versions``.
 """
 
 from __future__ import annotations
@@ -42,14 +36,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from tfdp.compat import versions
 from tfdp.errors import TfdpError
 
 log = logging.getLogger("tfdp")
 
-# Tested: the whole suite on the newest release, a compatibility subset on the others and on the
-# next pre-releases (.ci/run's compat and next stages).
-TESTED_TENSORFLOW = ("2.19", "2.22")   # inclusive, major.minor
-TESTED_KERAS = ("3.12", "3.16")  # (the lower bound: .ci/run installs it with TF 2.19)
 
 
 @dataclass(frozen=True)
@@ -463,26 +454,6 @@ class UnsupportedVersionError(TfdpError):
     """The installed TensorFlow / Keras lacks a name an essential feature of tfdp needs."""
 
 
-def _installed_versions() -> str:
-    tf_version = _version(_TF_DISTS) or "not installed"
-    keras_version = _version(_KERAS_DISTS) or "not installed"
-    return f"tensorflow {tf_version}, keras {keras_version}"
-
-
-def _tested() -> str:
-    return (f"tested: TensorFlow {TESTED_TENSORFLOW[0]}-{TESTED_TENSORFLOW[1]}, Keras "
-            f"{TESTED_KERAS[0]}-{TESTED_KERAS[1]}")
-
-
-def _install_hint() -> str:
-    tf_low, tf_high = TESTED_TENSORFLOW
-    k_low, k_high = TESTED_KERAS
-    major, minor = tf_high.split(".")
-    k_major, k_minor = k_high.split(".")
-    return (f'pip install "tensorflow-cpu>={tf_low},<{major}.{int(minor) + 1}" '
-            f'"keras>={k_low},<{k_major}.{int(k_minor) + 1}"')
-
-
 def _where(entry) -> str:
     return f"{entry.owner.replace(':', '.')}.{entry.name}"
 
@@ -511,72 +482,17 @@ def require(*features: str, by: str = "tfdp") -> set[str]:
         if feature.essential:
             raise UnsupportedVersionError(
                 f"{by} cannot run on this TensorFlow / Keras: {feature.what} needs {listed}, "
-                f"which the installed version lacks. Received: {_installed_versions()} ({_tested()}). "
-                f"Install a tested pair: {_install_hint()}")
+                f"which the installed version lacks. Received: {versions.installed()} "
+                f"({versions.tested()}). Install a tested pair: {versions.install_hint()}")
         off.add(name)
         if name not in _warned_features:
             _warned_features.add(name)
             log.warning("tfdp: %s is off on this TensorFlow / Keras (%s; it lacks %s): %s; "
-                        "training stays exact.", feature.what, _installed_versions(), listed,
+                        "training stays exact.", feature.what, versions.installed(), listed,
                         feature.without)
     return off
 
 
-# --- versions -----------------------------------------------------------------------------------
-
-_TF_DISTS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly", "tf-nightly-cpu")
-_KERAS_DISTS = ("keras", "keras-nightly")
-
-
-def _version(dist_names):
-    from importlib import metadata
-    for name in dist_names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _minor(version: str):
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def untested_versions() -> list[str]:
-    """``["tensorflow 2.23.0 (tested: 2.19-2.22)", ...]`` for installed versions outside the
-    tested range (package metadata only; nothing is imported)."""
-    out = []
-    for label, dists, (low, high) in (("tensorflow", _TF_DISTS, TESTED_TENSORFLOW),
-                                      ("keras", _KERAS_DISTS, TESTED_KERAS)):
-        version = _version(dists)
-        minor = version and _minor(version)
-        if minor and not _minor(low) <= minor <= _minor(high):
-            out.append(f"{label} {version} (tested: {low}-{high})")
-    return out
-
-
-_warned = False
-
-
-def warn_if_untested() -> None:
-    """Log one warning (once per process) naming installed versions outside the tested range."""
-    global _warned
-    if _warned:
-        return
-    _warned = True
-    bad = untested_versions()
-    if bad:
-        log.warning("tfdp: untested version(s): %s. tfdp relies on %d private TensorFlow/Keras "
-                    "names (tfdp/compat/names.py): a missing one turns its feature off with a "
-                    "warning, or refuses with one line when the feature is essential; run "
-                    "`python -m pytest tests/test_compat.py` to check them, or install a tested "
-                    "version.", ", ".join(bad), len(NAMES))
-
-
-__all__ = ["FEATURES", "NAMES", "PUBLIC", "Feature", "Private", "Public", "TESTED_KERAS",
-           "TESTED_TENSORFLOW", "UnsupportedVersionError", "available", "hiding", "home",
-           "missing", "point", "require", "unavailable", "untested_versions", "warn_if_untested"]
+__all__ = ["ESSENTIAL", "FEATURES", "NAMES", "PUBLIC", "Feature", "Private", "Public",
+           "UnsupportedVersionError", "available", "hiding", "home", "missing", "point",
+           "require", "unavailable"]

@@ -190,6 +190,18 @@ def release(owner) -> None:
         lease()
 
 
+def held_by(owner) -> set[str]:
+    """The hook sets ``owner`` holds now (through ``use``)."""
+    with _lock:
+        leases = list(_leases.get(id(owner), ()))
+    held = set()
+    for lease in leases:
+        info = lease.peek()  # (obj, func, args, kwargs) while alive
+        if info is not None:
+            held.update(info[2][0])
+    return held
+
+
 def users(name) -> int:
     """How many live users hold the hook set ``name``."""
     return _users.get(name, 0)
@@ -249,5 +261,5 @@ def use_device_alias(owner, make) -> None:
     use(owner, "device_alias")
 
 
-__all__ = ["HookSet", "SETS", "STRATEGY_SETS", "installed", "provide", "release", "use",
+__all__ = ["HookSet", "SETS", "STRATEGY_SETS", "held_by", "installed", "provide", "release", "use",
            "use_device_alias", "users"]
