@@ -16,7 +16,6 @@ strategy alike:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import tensorflow as tf
@@ -26,6 +25,7 @@ from tfdp import devices as devices_lib
 from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
 from tfdp.reduce.options import ReduceOptions
+from tfdp.strategy.setup_order import step_model
 
 
 class DataParallelExtendedBase:
@@ -442,8 +442,8 @@ def _model_variable_ids(fn):
     model's variables would keep them in its function: TF holds only weak references, so once
     that model is collected (even while the new step is being traced) the function fails with
     "Called a function referencing variables which have been deleted"."""
-    model = getattr(inspect.unwrap(fn), "__self__", None)
-    if model is None or not hasattr(model, "metrics_variables"):
+    model = step_model(fn)
+    if model is None:
         return None
     return {id(getattr(v, "value", v))
             for v in list(model.variables) + list(model.metrics_variables)}
