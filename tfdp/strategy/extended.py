@@ -130,7 +130,9 @@ class DataParallelExtendedBase:
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas, own)
-        return result
+        if step.optimizers and self.tfdp_settings.zero_stage:
+            self.tfdp_zero.show_effect_once()   # sharded state: its effect, once, at the first
+        return result                           # training step (the optimizers have built)
 
     # --- empty replicas: one real example, share 0, nothing counted ---------------------------
     #

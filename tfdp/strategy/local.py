@@ -222,8 +222,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     def __repr__(self):
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
+        zero = f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
-                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}{zero})")
 
 
 #: The keyword arguments of DataParallelStrategy (both forms), in its docstring's order.
