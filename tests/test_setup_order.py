@@ -14,6 +14,7 @@ reference computed here runs exactly the same code.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -451,3 +452,290 @@ def test_a_model_built_before_the_strategy_is_one_error_naming_the_fix(run_proce
     else:
         assert "built before the DataParallelStrategy was created or outside its" in err[0], err
         assert "with strategy.scope(): model = build_model()" in err[0], err
+
+
+# --- every wrong order, as users write it, in the test process (issue 33, point 1) -------------
+#
+# Each case is a script's lines in the order a user gets wrong; the first training step raises one
+# SetupOrderError (a ValueError and a RuntimeError) whose one line names the fix. Core tier: the
+# test process's 4 CPU replicas; the program's default strategy is reset after each test.
+
+@pytest.fixture
+def program():
+    """A fresh program's state: no default strategy before and after the test."""
+    import tensorflow as tf
+    tf.distribute.experimental_set_strategy(None)
+    yield
+    tf.distribute.experimental_set_strategy(None)
+
+
+def _xy():
+    return np.ones((32, 8), "float32"), np.ones((32, 1), "float32")
+
+
+def _build():
+    import keras
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+
+
+def _setup_error(script, *args):
+    """``script(*args)``'s SetupOrderError, checked to be one line of the one template."""
+    from tfdp.strategy.setup_order import SetupOrderError
+    with pytest.raises(SetupOrderError) as info:
+        script(*args)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, RuntimeError)
+    text = str(err)
+    assert "\n" not in text and ". Received: " in text, text
+    assert "Mixing different" not in text.split("(TF:")[0], text
+    return text
+
+
+def compiled_then_default_strategy():
+    """The issue's case: the two lines added just before fit."""
+    import tfdp
+    x, y = _xy()
+    model = _build()
+    model.compile("adam", "mse")
+    tfdp.set_default_strategy()
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def compiled_then_fit_in_scope():
+    import tfdp
+    x, y = _xy()
+    model = _build()
+    model.compile("adam", "mse")
+    strategy = tfdp.DataParallelStrategy()
+    with strategy.scope():
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def trained_then_default_strategy():
+    import tfdp
+    x, y = _xy()
+    model = _build()
+    model.compile("adam", "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    tfdp.set_default_strategy()
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def trained_then_fit_in_scope():
+    import tfdp
+    x, y = _xy()
+    model = _build()
+    model.compile("adam", "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    strategy = tfdp.DataParallelStrategy()
+    with strategy.scope():
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def _saved(tmp_path):
+    x, y = _xy()
+    model = _build()
+    model.compile("adam", "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.save(tmp_path / "model.keras")
+    return tmp_path / "model.keras"
+
+
+def loaded_outside_the_scope(tmp_path):
+    import keras
+    import tfdp
+    path = _saved(tmp_path)
+    x, y = _xy()
+    strategy = tfdp.DataParallelStrategy()
+    model = keras.models.load_model(path)
+    with strategy.scope():
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def loaded_before_default_strategy(tmp_path):
+    import keras
+    import tfdp
+    path = _saved(tmp_path)
+    x, y = _xy()
+    model = keras.models.load_model(path)
+    tfdp.set_default_strategy()
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def optimizer_before_default_strategy():
+    import keras
+    import tfdp
+    x, y = _xy()
+    optimizer = keras.optimizers.Adam(1e-3)
+    tfdp.set_default_strategy()
+    model = _build()
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def model_of_another_strategy():
+    import tfdp
+    x, y = _xy()
+    first = tfdp.DataParallelStrategy()
+    with first.scope():
+        model = _build()
+        model.compile("adam", "mse")
+    second = tfdp.DataParallelStrategy()
+    with second.scope():
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def model_of_another_strategy_then_default():
+    import tfdp
+    x, y = _xy()
+    strategy = tfdp.DataParallelStrategy()
+    with strategy.scope():
+        model = _build()
+        model.compile("adam", "mse")
+    tfdp.set_default_strategy()
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def built_then_compiled_in_scope_fit_outside():
+    import tfdp
+    x, y = _xy()
+    model = _build()
+    strategy = tfdp.DataParallelStrategy()
+    with strategy.scope():
+        model.compile("adam", "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def _cases(*pairs):
+    return [pytest.param(script, needles, id=script.__name__) for script, needles in pairs]
+
+
+DEFAULT_FIX = "move it above `model = ...`"
+SCOPE_FIX = "with strategy.scope(): model = build_model(); model.compile(...)"
+SCOPE_WHAT = "before the DataParallelStrategy was created or outside its `with strategy.scope():`"
+
+
+@pytest.mark.parametrize("script,needles", _cases(
+    (compiled_then_default_strategy, [
+        "The model was built before tfdp.set_default_strategy(), so its variables are not "
+        "mirrored", "Received: variable 'sequential/dense/kernel' of model 'sequential', a plain "
+        "tf.Variable on one device", DEFAULT_FIX]),
+    (compiled_then_fit_in_scope, [f"The model was built {SCOPE_WHAT}", SCOPE_FIX]),
+    (trained_then_default_strategy, [
+        "The model was trained, or loaded with keras.models.load_model, before "
+        "tfdp.set_default_strategy(), so its optimizer state sits on one device",
+        "its optimizer 'adam", "already has its state (iterations=4)", DEFAULT_FIX,
+        "a saved model: `model = keras.models.load_model(path)` after the call"]),
+    (trained_then_fit_in_scope, [
+        f"The model was trained, or loaded with keras.models.load_model, {SCOPE_WHAT}",
+        SCOPE_FIX, "`with strategy.scope(): model = keras.models.load_model(path)`"]),
+    (optimizer_before_default_strategy, [
+        "An optimizer (or another object with variables) was created before "
+        "tfdp.set_default_strategy()", "an object created under no strategy, used under "
+        "DataParallelStrategy at 0x", "(the program's default, from tfdp.set_default_strategy())",
+        DEFAULT_FIX]),
+    (model_of_another_strategy, [
+        "Two strategies are mixed", ".scope() entered while DataParallelStrategy at 0x",
+        "a model created under the first, trained under the second",
+        "Build, compile and train each model under one strategy"]),
+    (model_of_another_strategy_then_default, [
+        "Two strategies are mixed",
+        "is current (a model created under the first, trained under the second)",
+        "(the program's default, from tfdp.set_default_strategy())",
+        "call tfdp.set_default_strategy() once, before any model"]),
+    (built_then_compiled_in_scope_fit_outside, [
+        f"The model was built {SCOPE_WHAT}", "training ran outside its scope", SCOPE_FIX]),
+))
+def test_every_wrong_order_is_one_setup_order_error_naming_the_fix(program, script, needles):
+    text = _setup_error(script)
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+@pytest.mark.parametrize("script,needles", _cases(
+    (loaded_outside_the_scope, [
+        f"The model was trained, or loaded with keras.models.load_model, {SCOPE_WHAT}",
+        "`with strategy.scope(): model = keras.models.load_model(path)`"]),
+    (loaded_before_default_strategy, [
+        "The model was trained, or loaded with keras.models.load_model, before "
+        "tfdp.set_default_strategy()", DEFAULT_FIX,
+        "`model = keras.models.load_model(path)` after the call"]),
+))
+def test_load_model_outside_the_scope_is_one_setup_order_error(program, tmp_path, script,
+                                                               needles):
+    text = _setup_error(script, tmp_path)
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_the_right_orders_still_train(program, tmp_path):
+    """No false alarm: the default form, the scoped form with zero_stage=1, a model loaded in the
+    scope, and evaluating a model built before the strategy (its variables are only read)."""
+    import keras
+    import tfdp
+    x, y = _xy()
+    path = _saved(tmp_path)
+    built_before = _build()
+    built_before.compile("adam", "mse")
+    strategy = tfdp.DataParallelStrategy(zero_stage=1)
+    with strategy.scope():
+        sharded = _build()
+        sharded.compile("adam", "mse")
+        loaded = keras.models.load_model(path)
+    sharded.fit(x, y, batch_size=8, verbose=0)
+    loaded.fit(x, y, batch_size=8, verbose=0)
+    with strategy.scope():
+        built_before.evaluate(x, y, batch_size=8, verbose=0)
+    tfdp.set_default_strategy()
+    model = _build()
+    model.compile("adam", "mse")
+    assert len(model.fit(x, y, batch_size=8, epochs=2, verbose=0).history["loss"]) == 2
+
+
+@pytest.mark.parametrize("kwargs,needles", [
+    ({"num_replicas": 4}, ["DataParallelStrategy got unknown argument. Received: num_replicas=4",
+                           "Valid: devices, all_reduce, bucket_bytes", "zero_stage",
+                           "devices=['GPU:0', 'GPU:1']", "set TFDP_CPU_REPLICAS=4",
+                           "tfdp.configure_cpu_replicas(4)"]),
+    ({"all_reduc": "ring"}, ["Received: all_reduc='ring'", "Did you mean all_reduce='ring'?"]),
+    ({"num_workers": 2}, ["Received: num_workers=2", "tfdp launch --workers 2"]),
+    ({"device": ["CPU:0"]}, ["Did you mean devices=['CPU:0']?"]),
+])
+def test_an_unknown_argument_names_the_valid_ones_and_the_intent(program, kwargs, needles):
+    import tfdp
+    for make in (tfdp.DataParallelStrategy, tfdp.set_default_strategy):
+        with pytest.raises(TypeError) as info:   # what Python raises for one, and a ValueError
+            make(**kwargs)
+        text = str(info.value)
+        assert isinstance(info.value, ValueError) and "\n" not in text, text
+        for needle in needles:
+            assert needle in text, (needle, text)
+
+
+def test_the_strategy_arguments_list_is_the_signature():
+    import inspect
+    import tfdp
+    from tfdp.strategy.local import _ARGUMENTS
+    params = [p for p in inspect.signature(tfdp.DataParallelStrategy.__init__).parameters
+              if p != "self"]
+    assert tuple(params) == _ARGUMENTS
+
+
+def test_the_troubleshooting_page_lists_every_setup_order_message(program):
+    """docs/guide/troubleshooting.md's `SetupOrderError: ...` rows are the messages the code
+    builds (every stage, in both forms), and every message has its row."""
+    import tfdp
+    from tfdp.strategy.setup_order import setup_order_error
+    page = open(os.path.join(ROOT, "docs", "guide", "troubleshooting.md")).read()
+    # a row: | `SetupOrderError: <the message's start> ...` ... | the fix |
+    rows = re.findall(r"^\| `SetupOrderError: (.+?) \.\.\.`", page, re.M)
+    assert len(rows) >= 6, rows
+    scoped = tfdp.DataParallelStrategy()
+    default = tfdp.set_default_strategy()
+    messages = [str(setup_order_error(s, stage, "X")).replace("`", "")
+                for s in (scoped, default)
+                for stage in ("built", "compiled", "trained", "created", "other")]
+    for row in rows:
+        assert any(m.startswith(row) for m in messages), (row, messages)
+    for m in messages:
+        assert any(m.startswith(row) for row in rows), (m, rows)

@@ -774,3 +774,14 @@ def test_a_global_batch_smaller_than_the_replicas_trains_with_a_warning(run_proc
     assert ("tfdp train: warning: data.global_batch_size=2 on 4 replicas: 2 replica(s) get no "
             "examples in every step") in p.stderr, p.stderr
     assert "batch         global 2, per replica 0-1" in p.stdout, p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_tiny_run_with_sharded_state_says_so(capsys):
+    """zero_stage=1: the header's strategy names it and the run prints the plan's effect."""
+    r = _run_tiny("quickstart", "strategy.zero_stage=1")
+    out = capsys.readouterr().out
+    assert "zero_stage=1)" in r.strategy_repr and "zero_stage=1)\n" in out, out
+    effect = [ln for ln in out.splitlines() if ln.startswith("  sharded   ")]
+    assert len(effect) == 1, out
+    assert effect[0].startswith("  sharded   zero_stage=1: optimizer state per device "), effect

@@ -280,3 +280,70 @@ def test_train_config_key_and_default_strategy(monkeypatch):
         assert strategy.zero_stage == 1 and tf.distribute.get_strategy() is strategy
     finally:
         tf.distribute.experimental_set_strategy(None)
+
+
+# --- sharding is visible (issue 33, point 2) -----------------------------------------------------
+
+def test_repr_and_the_creation_line_name_the_stage():
+    import tfdp
+    from tfdp.strategy.announce import strategy_line
+    for stage, needle in ((1, "optimizer state sharded over the 4 local replicas"),
+                          (2, "gradients summed onto their owners")):
+        strategy = tfdp.DataParallelStrategy(DEVICES, zero_stage=stage)
+        assert repr(strategy).endswith(f", zero_stage={stage})"), repr(strategy)
+        line = strategy_line(strategy)
+        assert f"; zero_stage={stage}: " in line and needle in line, line
+    plain = tfdp.DataParallelStrategy(DEVICES)
+    assert "zero_stage" not in repr(plain) and "zero_stage" not in strategy_line(plain)
+
+
+def _effect_lines(caplog, optimizer, stage=1, fits=2):
+    import logging
+
+    import keras
+
+    import tfdp
+    from tfdp_bench.zero import optimizer_bytes_per_device
+    strategy = tfdp.DataParallelStrategy(DEVICES, zero_stage=stage)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                  keras.layers.Embedding(4000, 16), keras.layers.Flatten(),
+                                  keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(optimizer(), "mse")
+    x = np.random.default_rng(0).integers(0, 4000, size=(64, 3)).astype("int32")
+    y = np.ones((64, 1), "float32")
+    with caplog.at_level(logging.INFO, logger="tfdp"):
+        for _ in range(fits):
+            model.fit(x, y, batch_size=16, verbose=0)
+    lines = [r.getMessage() for r in caplog.records if "optimizer state per device" in
+             r.getMessage() or "zero_stage=1: nothing to shard" in r.getMessage()]
+    return lines, optimizer_bytes_per_device(strategy, model.optimizer)
+
+
+def test_the_first_step_shows_the_plans_effect_once(caplog):
+    import keras
+    lines, per_device = _effect_lines(caplog, lambda: keras.optimizers.Adam(1e-3))
+    assert len(lines) == 1, lines   # two fits, one line
+    # unsharded, every device would hold the whole state: Embedding 4000 x 16 and the Dense
+    # layers, two Adam slots each, + iterations and learning rate; sharded: the largest device
+    weights = (4000 * 16 + 48 * 8 + 8 + 8 + 1) * 4
+    before = plan_lib.human_bytes(2 * weights + 8 + 4)
+    after = plan_lib.human_bytes(max(per_device))
+    assert lines[0].startswith(f"tfdp: zero_stage=1: optimizer state per device {before} -> "
+                               f"{after} (the largest of 4 replicas; Adam: "), lines
+    assert max(per_device) < 0.35 * (2 * weights), per_device   # about a quarter
+    assert "1 split by rows" in lines[0] and "the owner plan is logged at INFO" in lines[0]
+
+
+def test_nothing_to_shard_is_said_too(caplog):
+    import keras
+    lines, _ = _effect_lines(caplog, lambda: keras.optimizers.SGD(0.1), fits=1)
+    assert lines == ["tfdp: zero_stage=1: nothing to shard: SGD keeps no per-variable optimizer "
+                     "state (every replica updates its variables, as with zero_stage=0)"], lines
+
+
+def test_no_line_without_sharding(caplog):
+    import keras
+    lines, _ = _effect_lines(caplog, lambda: keras.optimizers.Adam(1e-3), stage=0, fits=1)
+    assert lines == []

@@ -6,7 +6,9 @@ to get more. The line goes through the ``tfdp`` logger at INFO. A program that c
 logging decides itself whether INFO shows (``logging.basicConfig(level=logging.INFO)`` shows it,
 ``logging.getLogger("tfdp").setLevel(logging.WARNING)`` or ``logging.disable`` turns it off);
 a program that configured nothing gets it on stderr, once per process (the first strategy;
-later ones only log). ``tfdp train`` and ``tfdp bench`` print their own headers instead.
+later ones only log). ``tfdp train`` and ``tfdp bench`` print their own headers instead. With
+``zero_stage`` 1 or 2 the line names the stage, and the first training step shows one more line
+the same way, the sharded state's effect (``tfdp.zero.state.ZeroState.effect_line``).
 """
 
 from __future__ import annotations
@@ -72,22 +74,34 @@ def strategy_line(strategy) -> str:
         where = (f"{total} replica{'s' if total != 1 else ''} on {device_list(local)}"
                  f"{f' ({source})' if source else ''}, 1 worker")
     tail = f"; all_reduce {ext.tfdp_choice.algorithm!r}" if total > 1 else ""
+    stage = ext.tfdp_settings.zero_stage
+    if stage:
+        tail += (f"; zero_stage={stage}: optimizer state sharded over the {len(local)} local "
+                 f"replica{'s' if len(local) != 1 else ''}"
+                 + (", gradients summed onto their owners" if stage == 2 else ""))
     if total == 1 and names[0].startswith("CPU"):
-        tail = (f"; for n CPU replicas set {devices_lib.CPU_REPLICAS_ENV}=n (or call "
-                "tfdp.configure_cpu_replicas(n) before TensorFlow starts)")
+        tail += (f"; for n CPU replicas set {devices_lib.CPU_REPLICAS_ENV}=n (or call "
+                 "tfdp.configure_cpu_replicas(n) before TensorFlow starts)")
     return f"tfdp: {type(strategy).__name__}: {where}{tail}"
 
 
 def announce(strategy) -> None:
     """Show :func:`strategy_line` (see the module docstring for where it goes)."""
-    line = strategy_line(strategy)
+    show(strategy_line(strategy), once=True)
+
+
+def show(line: str, once: bool = False) -> None:
+    """One line where the strategy's line goes: the ``tfdp`` logger at INFO when the program
+    configured logging, else stderr (``once``: only the process's first such line; the sharded
+    state's line at the first step is shown once per strategy by its caller)."""
     if logging_configured():
         log.info("%s", line)
         return
-    with _lock:
-        if _shown["done"]:
-            return
-        _shown["done"] = True
+    if once:
+        with _lock:
+            if _shown["done"]:
+                return
+            _shown["done"] = True
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
@@ -95,4 +109,4 @@ def announce(strategy) -> None:
         pass
 
 
-__all__ = ["announce", "device_list", "logging_configured", "strategy_line"]
+__all__ = ["announce", "device_list", "logging_configured", "show", "strategy_line"]

@@ -16,7 +16,6 @@ strategy alike:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import tensorflow as tf
@@ -26,6 +25,7 @@ from tfdp import devices as devices_lib
 from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
 from tfdp.reduce.options import ReduceOptions
+from tfdp.strategy.setup_order import step_model
 
 
 class DataParallelExtendedBase:
@@ -130,7 +130,9 @@ class DataParallelExtendedBase:
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas, own)
-        return result
+        if step.optimizers and self.tfdp_settings.zero_stage:
+            self.tfdp_zero.show_effect_once()   # sharded state: its effect, once, at the first
+        return result                           # training step (the optimizers have built)
 
     # --- empty replicas: one real example, share 0, nothing counted ---------------------------
     #
@@ -442,8 +444,8 @@ def _model_variable_ids(fn):
     model's variables would keep them in its function: TF holds only weak references, so once
     that model is collected (even while the new step is being traced) the function fails with
     "Called a function referencing variables which have been deleted"."""
-    model = getattr(inspect.unwrap(fn), "__self__", None)
-    if model is None or not hasattr(model, "metrics_variables"):
+    model = step_model(fn)
+    if model is None:
         return None
     return {id(getattr(v, "value", v))
             for v in list(model.variables) + list(model.metrics_variables)}

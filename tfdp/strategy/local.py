@@ -38,7 +38,7 @@ import tensorflow as tf
 from tfdp import compat as tfp
 from tfdp import devices as devices_lib
 from tfdp.compat import names
-from tfdp.errors import invalid_argument
+from tfdp.errors import invalid_argument, unknown_arguments
 from tfdp.keras import gradient_path
 from tfdp.reduce.reducer import Reducer
 from tfdp.strategy.announce import announce
@@ -106,7 +106,10 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         # strategy. Python then runs *its* __init__ with these same arguments.
         # (The multi-worker class registers itself here when tfdp.strategy.multiworker is
         # imported, which every public path to this class does: tfdp.strategy.api.)
-        del devices, kwargs
+        del devices
+        unknown = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
+        if unknown:   # (Python's own TypeError would name neither the valid ones nor the intent)
+            raise unknown_arguments(cls.__name__, unknown, _ARGUMENTS, hints=_INTENT)
         if cls is DataParallelStrategy:
             info = cluster if cluster is not None else _resolve_cluster(cluster_resolver)
             if getattr(info, "num_workers", 1) > 1:
@@ -238,8 +241,29 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     def __repr__(self):
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
+        zero = f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
-                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}{zero})")
+
+
+#: The keyword arguments of DataParallelStrategy (both forms), in its docstring's order.
+_ARGUMENTS = ("devices", "all_reduce", "bucket_bytes", "compression", "sparse",
+              "collective_timeout", "heartbeat_timeout", "startup_timeout", "zero_stage",
+              "cluster_resolver", "cluster")
+_REPLICAS = ("The replica count comes from the devices: devices=['GPU:0', 'GPU:1'] (or "
+             "['CPU:0', 'CPU:1']); on a host without a GPU, set TFDP_CPU_REPLICAS={value} in the "
+             "environment (or call tfdp.configure_cpu_replicas({value}) first thing in the "
+             "program) and pass no devices.")
+_WORKERS = ("The workers come from the cluster: TF_CONFIG, SLURM or cluster_resolver= (`tfdp "
+            "launch --workers {value} -- python train.py` sets TF_CONFIG for you).")
+#: Unknown names whose intent is clear: what to write instead.
+_INTENT = {name: _REPLICAS for name in (
+    "num_replicas", "replicas", "n_replicas", "replica_count", "num_replicas_in_sync",
+    "num_devices", "n_devices", "num_gpus", "gpus", "n_gpus", "cpu_replicas", "num_cpus",
+    "cpus", "n")}
+_INTENT.update({name: _WORKERS for name in ("num_workers", "workers", "n_workers", "world_size",
+                                            "nnodes", "num_nodes")})
+_INTENT["device"] = "Did you mean devices={value!r}? (a list of device names)"
 
 
 class LocalExtended(SetupOrderChecks, DataParallelExtendedBase, tfp.MirroredExtended):

@@ -419,7 +419,8 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
         return (f"MultiWorkerDataParallelStrategy(worker={self._cluster.rank}/"
                 f"{self._cluster.num_workers}, devices={devs}, all_reduce={self.all_reduce!r}, "
-                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r})")
+                f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}"
+                + (f", zero_stage={self.zero_stage})" if self.zero_stage else ")"))
 
 
 def _check_local_devices(worker_devices, requested):

@@ -209,6 +209,10 @@ def run(cfg: Config) -> Result:
                         shuffle=False,  # tfdp.data shuffles (seed, epoch)
                         callbacks=callbacks)
     phases["fit"] = time.perf_counter() - t
+    zero = strategy.extended.tfdp_zero if strategy.zero_stage else None
+    effect = zero.effect_line() if zero is not None else None
+    if effect:   # (the header's strategy line names the stage; the tfdp logger is quiet here)
+        _say(f"  sharded   {effect.removeprefix('tfdp: ')}", rank)
     n_bn = tr["precise_bn_batches"]
     if n_bn:
         from tfdp.train import precise_bn

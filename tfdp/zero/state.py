@@ -92,6 +92,7 @@ class ZeroState:
         self._notes = {}        # id(optimizer) -> a note for its plan table
         self.owner_reductions = 0  # traced reductions to owners (zero_stage=2; tests read it)
         self._lock = threading.Lock()
+        self._effect_shown = False  # the effect line (show_effect_once): once per strategy
 
     def __repr__(self):
         return f"ZeroState(stage={self.stage}, owners={self.num_owners})"
@@ -260,6 +261,60 @@ class ZeroState:
             for i, b in enumerate(table.slot_bytes(self.devices)):
                 out[i] += b
         return out
+
+    def state_bytes_per_device(self) -> list[int]:
+        """Bytes of every planned optimizer's variables held on each local device (slots on
+        their owners, row pieces on theirs, the rest, e.g. ``iterations``, on every device)."""
+        canonical = [devices_lib.canonical(d) for d in self.devices]
+        out = [0] * len(self.devices)
+        for optimizer in list(self._checked):
+            for v in optimizer.variables:
+                value = getattr(v, "value", v)
+                comps = (value.values if tfp.is_distributed_values(value)
+                         else getattr(value, "variables", None) or [value])  # (row pieces)
+                for c in comps:
+                    dev = devices_lib.canonical(c.device)
+                    if dev in canonical:
+                        out[canonical.index(dev)] += _nbytes(c)
+        return out
+
+    def effect_line(self) -> str | None:
+        """The plan's effect in one line, once the optimizers built (None before): optimizer
+        state on the largest device unsharded -> sharded, e.g. ``102.5 MB -> 25.7 MB``."""
+        if not self.plans:
+            return None
+        head = f"tfdp: zero_stage={self.stage}:"
+        sharded = [p for p in self.plans if p.entries]
+        if not sharded:
+            names = ", ".join(dict.fromkeys(p.optimizer for p in self.plans))
+            return (f"{head} nothing to shard: {names} keeps no per-variable optimizer state "
+                    "(every replica updates its variables, as with zero_stage=0)")
+        per_device = self.state_bytes_per_device()
+        slots = self.slot_bytes()
+        replicated = max(d - s for d, s in zip(per_device, slots))
+        before, after = replicated + sum(slots), max(per_device)
+        variables = sum(len(p.entries) for p in sharded)
+        split = sum(1 for p in sharded for e in p.entries if e.rows)
+        names = ", ".join(dict.fromkeys(p.optimizer for p in sharded))
+        n = len(self.devices)
+        return (f"{head} optimizer state per device {plan_lib.human_bytes(before)} -> "
+                f"{plan_lib.human_bytes(after)} (the largest of {n} replica"
+                f"{'s' if n != 1 else ''}; {names}: {variables} variable(s) sharded"
+                + (f", {split} split by rows" if split else "")
+                + "; the owner plan is logged at INFO)")
+
+    def show_effect_once(self) -> None:
+        """Show :meth:`effect_line` where the strategy's line goes (``announce.show``), at the
+        first training step (when the optimizers have built), once per strategy."""
+        if self._effect_shown or not self.plans:
+            return
+        line = self.effect_line()
+        with self._lock:
+            if self._effect_shown:
+                return
+            self._effect_shown = True
+        from tfdp.strategy.announce import show
+        show(line)
 
     # --- checks ------------------------------------------------------------------------
 
