@@ -64,9 +64,20 @@ def _variable_name(variable) -> str:
     return str(name).removesuffix(":0")
 
 
+_NO_STRATEGY = "no strategy"  # (what a plain, not distributed, variable was created under)
+
+
 def _is_tf_default(strategy) -> bool:
     """TF's default strategy (what ``tf.distribute.get_strategy()`` is outside every scope)."""
-    return type(strategy).__name__.startswith("_DefaultDistributionStrategy")
+    return (strategy is _NO_STRATEGY
+            or type(strategy).__name__.startswith("_DefaultDistributionStrategy"))
+
+
+def _created_under(variable):
+    """The strategy whose scope created ``variable`` (a Keras or TF variable): a distributed
+    variable's public ``distribute_strategy``; ``_NO_STRATEGY`` for a plain one."""
+    owner = getattr(getattr(variable, "value", variable), "distribute_strategy", None)
+    return _NO_STRATEGY if owner is None else owner
 
 
 def describe(strategy) -> str:
@@ -167,14 +178,17 @@ def check_step(strategy, fn) -> None:
     where = f"model {getattr(model, 'name', type(model).__name__)!r}"
     name = type(strategy).__name__
     optimizer = getattr(model, "optimizer", None)
-    # Keras's TF optimizer records tf.distribute.get_strategy() when it is created
-    optimizers = [(opt, getattr(opt, "_distribution_strategy", None))
+    # an optimizer's strategy: the one its first variable (its step counter, made in its
+    # __init__) was created under
+    optimizers = [(opt, _created_under(opt.variables[0]))
                   for opt in (optimizer, getattr(optimizer, "inner_optimizer", None))
-                  if opt is not None]
+                  if opt is not None and getattr(opt, "variables", None)]
     state_before = next((opt for opt, owner in optimizers
                          if _is_tf_default(owner) and getattr(opt, "built", False)), None)
     for variable in model.trainable_variables:
-        owner = getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
+        owner = _created_under(variable)
+        if owner is _NO_STRATEGY:
+            owner = None
         if owner is strategy:
             continue
         if owner is not None:
