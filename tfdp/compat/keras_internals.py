@@ -73,6 +73,7 @@ def keras_hook_points():
         "clip_gradients": _point(_OPTIMIZER, "_clip_gradients"),
         "all_reduce_sum_gradients": _point(_OPTIMIZER, "_all_reduce_sum_gradients"),
         "make_function": _point(_TRAINER, "_make_function"),
+        "predict_on_batch": _point("keras:Model", "predict_on_batch"),
     }
 
 

@@ -343,6 +343,8 @@ PUBLIC: tuple[Public, ...] = (
     Public(_OPTIMIZER, "build", "make zero_stage's owner plan before the slots are created"),
     Public("keras.optimizers:SGD", "build",
            "which tables a plain SGD updates with scatters (only those get row reads)"),
+    Public("keras:Model", "predict_on_batch",
+           "one device's rows (Keras gives every replica the whole batch: N copies)"),
     Public("keras.callbacks:BackupAndRestore", "on_train_end",
            "Keras's own BackupAndRestore deletes its files on the chief only"),
     Public("keras.callbacks:CSVLogger", "on_train_begin", "Keras's CSVLogger writes on the chief "

@@ -128,13 +128,31 @@ def zero_if_empty(grads, mask):
 
 # --- the hooks (in Keras while a tfdp strategy lives: tfdp.keras.adapter) ---------------------
 
+def updates_in_cond(optimizer) -> bool:
+    """Whether Keras puts (part of) this optimizer's own update in a ``tf.cond`` branch, where
+    no merge_call can run: gradient accumulation (the update micro-step) and an EMA that
+    overwrites the model's variables every ``ema_overwrite_frequency`` steps. (A
+    LossScaleOptimizer's finite-check cond is Keras's own cross-replica path: its inner
+    optimizer is asked separately.)"""
+    return accumulation_steps(optimizer) is not None or bool(
+        getattr(optimizer, "use_ema", False) and getattr(optimizer, "ema_overwrite_frequency",
+                                                         None))
+
+
 def _apply(original):
     def apply(self, grads, trainable_variables=None):
         cur = _current()
-        if cur is None or cur[2] in cur[1].applies or len(grads) == 0:
-            # (nested: a LossScaleOptimizer calling its inner optimizer's apply)
+        if cur is None or len(grads) == 0:
             return original(self, grads, trainable_variables)
         extended, step, replica = cur
+        loss_scale = hasattr(self, "inner_optimizer")
+        if replica in step.applies:
+            # Nested: a LossScaleOptimizer's inner optimizer, its gradients reduced on entry,
+            # in a replica of the loss-scale optimizer's cross-replica finite-check cond.
+            if updates_in_cond(self) and not loss_scale:
+                with step.replica_collectives():
+                    return original(self, grads, trainable_variables)
+            return original(self, grads, trainable_variables)
         if replica in step.deferred:  # inside this replica's XLA-compiled step: apply later
             step.deferred[replica].append((self, list(grads), trainable_variables))
             return None
@@ -144,18 +162,24 @@ def _apply(original):
         if not any(o is self for o in step.optimizers):
             step.optimizers.append(self)
         try:
-            if not accumulate or hasattr(self, "inner_optimizer"):
+            if not accumulate or loss_scale:
+                # A LossScaleOptimizer always reduces on entry: its finite check must see the
+                # global gradient, or replicas could take different branches.
                 grads = reduce_gradients(extended, grads, self, trainable_variables)
                 scope.reduced = True
-            if not accumulate:
+            if loss_scale or not updates_in_cond(self):
+                # (a LossScaleOptimizer keeps Keras's cross-replica path: its finite-check cond
+                # runs in a merge_call, its inner optimizer's apply in each replica, nested)
                 return original(self, grads, trainable_variables)
             if not scope.reduced and step.masks is not None:
                 # An empty replica's micro-batch adds zero to its accumulators (its batch
                 # statistics may be NaN); masking later, at the update, would also drop what
                 # the replica accumulated on earlier micro-steps.
                 grads = zero_if_empty(grads, step.masks[replica])
-            # Keras's accumulation puts its update (merge_calls, all-reduce) in a tf.cond:
-            # replica-context collectives only, for the duration of this apply.
+            # Keras puts the update (merge_calls, its all-reduce) in a tf.cond: replica-context
+            # collectives only, for the duration of this apply. (Accumulated gradients are
+            # reduced in the update branch, by the _clip_gradients hook; every replica then
+            # updates its own copy with the same values.)
             with step.replica_collectives():
                 return original(self, grads, trainable_variables)
         finally:
@@ -345,8 +369,27 @@ def _make_function(original):
     return make_function
 
 
+def _predict_on_batch(original):
+    """``model.predict_on_batch(x)``: Keras runs its predict step with ``x`` itself as every
+    replica's input and concatenates the replicas' outputs (N copies of the rows under any
+    tf.distribute strategy). Under a tfdp strategy of several replicas the batch goes through
+    ``predict`` instead, as one batch: split across the replicas like any other, one device's
+    rows in one device's order."""
+    def predict_on_batch(self, x):
+        strategy = getattr(self, "distribute_strategy", None)
+        extended = getattr(strategy, "extended", None)
+        if not is_tfdp(extended) or strategy.num_replicas_in_sync == 1:
+            return original(self, x)
+        rows = [len(v) for v in tf.nest.flatten(x) if hasattr(v, "shape") and len(v.shape)]
+        if not rows or not rows[0]:
+            return original(self, x)
+        return self.predict(x, batch_size=rows[0], verbose=0)
+    return predict_on_batch
+
+
 _HOOKS = {
     **losses.HOOKS,  # what a replica's loss is worth (tfdp.keras.losses)
+    "predict_on_batch": _predict_on_batch,
     "apply": _apply,
     "loss_scale_apply": _apply,
     "clip_gradients": _clip_gradients,

@@ -145,8 +145,10 @@ class ZeroState:
         sizes = [_nbytes(c) for _, c in todo]
         n = self.num_owners
         total = sum(sizes) + sum(self._loads)
-        can_split = (n > 1 and rows_lib.elementwise(optimizer)
-                     and not getattr(optimizer, "gradient_accumulation_steps", None))
+        from tfdp.keras.gradient_path import updates_in_cond
+        # (an update Keras runs inside a tf.cond is each owner's alone: no row pieces there)
+        in_cond = updates_in_cond(optimizer)
+        can_split = n > 1 and rows_lib.elementwise(optimizer) and not in_cond
         split = [can_split and size > rows_lib.SPLIT_ABOVE * total / n
                  and len(c.shape) >= 1 and c.shape[0] is not None and c.shape[0] >= n
                  for (_, c), size in zip(todo, sizes)]
@@ -168,8 +170,8 @@ class ZeroState:
             if not can_split and n > 1 and max(sizes) > rows_lib.SPLIT_ABOVE * total / n:
                 self._notes[id(optimizer)] = (
                     f"{type(optimizer).__name__} "
-                    + ("accumulates gradients" if rows_lib.elementwise(optimizer)
-                       else "is not element-wise")
+                    + ("updates inside a tf.cond (gradient accumulation or an EMA "
+                       "overwrite)" if in_cond else "is not element-wise")
                     + ": whole-variable ownership, no variable split by rows")
 
     def finalize(self, optimizer):
@@ -425,11 +427,12 @@ class ZeroState:
                 "jit_compile=True around the whole step", "Fix: compile(jit_compile=False), or "
                 "zero_stage=0."))
         owner = self.owner_of(var)
-        if owner is None:  # (never planned: optimizers that accumulate are not split)
+        if owner is None:  # (never planned: optimizers that update in a tf.cond are not split)
             raise TfdpError(message(
-                "A variable split by rows cannot be updated inside Keras's accumulation branch",
-                _name(var), "Fix: zero_stage=0, or an optimizer without "
-                "gradient_accumulation_steps."))
+                "A variable split by rows cannot be updated inside a Keras tf.cond (gradient "
+                "accumulation, an EMA overwrite)", _name(var),
+                "Fix: zero_stage=0, or an optimizer without gradient_accumulation_steps / "
+                "ema_overwrite_frequency."))
         replica = tfp.current_replica_id()
         comp = var.values[replica]
         result = None
