@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -40,7 +41,6 @@ from tfdp.compat import versions
 from tfdp.errors import TfdpError
 
 log = logging.getLogger("tfdp")
-
 
 
 @dataclass(frozen=True)
@@ -180,11 +180,8 @@ NAMES: tuple[Private, ...] = (
                 "swap in tfdp's reducer (tfdp.reduce.Reducer)"),
         # what Keras checks of a multi-worker strategy
         Private("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
-                "call",
-                "Keras orders predict's outputs across workers (_multi_worker_concat) only when "
-                "isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and strategy."
-                "extended._in_multi_worker_mode(): why MultiWorkerDataParallelStrategy inherits "
-                "TF's MultiWorkerMirroredStrategy (and its extended CollectiveAllReduceExtended)"),
+                "call", "Keras orders predict's outputs across workers only for a TF "
+                "MultiWorkerMirroredStrategy in multi-worker mode: why tfdp's inherits it"),
         Private(_CARS, "_in_multi_worker_mode", "call",
                 "as above: Keras calls it on tfdp's multi-worker extended (TF's, inherited)"),
         # the eager context: collective runtime started late, coordination service
@@ -334,21 +331,18 @@ class Public:
 # but their owners must still have them (checked with the private ones).
 PUBLIC: tuple[Public, ...] = (
     Public("tensorflow:GradientTape", "gradient",
-           "a hand-written scalar loss in a Keras step function is weighted by the replica's "
-           "share"),
+           "a hand-written scalar loss in a Keras step is weighted by the replica's share"),
     Public("keras.metrics:Mean", "update_state",
            "a tracker of a scalar loss weighted by the replica's share of the batch"),
     Public(_OPTIMIZER, "apply", "reduce the gradients when an update starts"),
     Public("keras.optimizers:LossScaleOptimizer", "apply", "reduce before the finite check"),
     Public(_OPTIMIZER, "build", "make zero_stage's owner plan before the slots are created"),
-    Public("keras.optimizers:SGD", "build",
-           "which tables a plain SGD updates with scatters (only those get row reads)"),
+    Public("keras.optimizers:SGD", "build", "which tables a plain SGD scatters into"),
     Public("keras:Model", "predict_on_batch",
            "one device's rows (Keras gives every replica the whole batch: N copies)"),
     Public("keras.callbacks:BackupAndRestore", "on_train_end",
            "Keras's own BackupAndRestore deletes its files on the chief only"),
-    Public("keras.callbacks:CSVLogger", "on_train_begin", "Keras's CSVLogger writes on the chief "
-           "only"),
+    Public("keras.callbacks:CSVLogger", "on_train_begin", "it writes on the chief only"),
 )
 
 
@@ -365,15 +359,21 @@ def _import(owner: str):
     return getattr(obj, cls) if cls else obj
 
 
+@functools.lru_cache(maxsize=None)
+def _source_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _has(owner_obj, entry) -> bool:
-    if entry.kind != "state":
+    if entry.kind != "state" or hasattr(owner_obj, entry.name):
         return hasattr(owner_obj, entry.name)
-    if hasattr(owner_obj, entry.name):
-        return True
+    # set in a method: ``self.<name>`` in the source file of the owner or a base class (whole
+    # files, read once: a class's own source would be parsed out of its module every time)
     classes = inspect.getmro(owner_obj) if inspect.isclass(owner_obj) else (owner_obj,)
     for c in classes:
         try:
-            if f"self.{entry.name}" in inspect.getsource(c):
+            if f"self.{entry.name}" in _source_text(inspect.getsourcefile(c) or ""):
                 return True
         except (OSError, TypeError):
             continue
