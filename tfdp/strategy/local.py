@@ -45,7 +45,7 @@ from tfdp.strategy.announce import announce
 from tfdp.strategy.extended import DataParallelExtendedBase
 from tfdp.strategy.role import worker_role
 from tfdp.strategy.settings import Settings
-from tfdp.strategy.setup_order import SetupOrderChecks
+from tfdp.strategy.setup_order import CheckedScope, SetupOrderChecks
 
 log = logging.getLogger("tfdp")
 _logged_choices: set = set()
@@ -156,6 +156,12 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         _log_choice_once(self.extended.tfdp_settings.all_reduce, self.extended.tfdp_choice,
                          self.extended.worker_devices, self.extended.tfdp_reduce)
         announce(self)
+
+    def scope(self):
+        """``tf.distribute.Strategy.scope``; entering it while another strategy is current is
+        one ``SetupOrderError`` naming the fix (TF's "Mixing different tf.distribute.Strategy
+        objects" otherwise)."""
+        return CheckedScope(super().scope(), self)
 
     # --- tfdp's additions ---------------------------------------------------------------------
 

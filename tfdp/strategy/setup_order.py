@@ -252,8 +252,8 @@ def _current_strategy():
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
-class _CheckedScope:
-    """``strategy.scope()``, entering which while another strategy is current is a
+class CheckedScope:
+    """``strategy.scope()`` (tfdp's strategies return it from their public ``scope``), entering which while another strategy is current is a
     :class:`SetupOrderError` (TF's "Mixing different tf.distribute.Strategy objects")."""
 
     def __init__(self, scope, strategy):
@@ -281,9 +281,6 @@ class _CheckedScope:
 class SetupOrderChecks:
     """Mixin for tfdp's extendeds: every wrong set-up order (see the module docstring) is one
     :class:`SetupOrderError` naming the fix, raised where TF would fail (or earlier)."""
-
-    def _scope(self, strategy):
-        return _CheckedScope(super()._scope(strategy), strategy)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.tfdp_context is not None:   # nested (a merge_call's): checked by the outer one
@@ -313,6 +310,6 @@ class SetupOrderChecks:
                                               colocate_with_variable, False) from None
 
 
-__all__ = ["SetupOrderChecks", "SetupOrderError", "check_step", "describe", "is_program_default",
+__all__ = ["CheckedScope", "SetupOrderChecks", "SetupOrderError", "check_step", "describe", "is_program_default",
            "model_before_strategy_error", "remember_program_default", "setup_order_error",
            "step_model", "translate_mixing"]
