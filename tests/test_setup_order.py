@@ -475,7 +475,9 @@ def _xy():
 
 def _build():
     import keras
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    # (named: Keras numbers unnamed models and layers per process, in test order)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="dense"),
+                             keras.layers.Dense(1, name="dense_1")], name="sequential")
 
 
 def _setup_error(script, *args):
