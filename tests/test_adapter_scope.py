@@ -46,6 +46,18 @@ POINTS = [  # (owner: "module:Class" or "module"; "a|b": the first that exists)
     ("keras.callbacks:CSVLogger", "on_train_begin"),
 ]
 
+# (in the snapshot process and in test_the_points_checked_are_every_point_the_adapter_wraps)
+_RESOLVE = '''def resolve(spec):
+    for one in spec.split("|"):
+        module, _, cls = one.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            return getattr(obj, cls) if cls else obj
+        except (ImportError, AttributeError):
+            continue
+    raise LookupError(spec)
+'''
+
 _SNAPSHOT = r'''
 import gc, importlib, json, os, sys, types
 import numpy as np
@@ -99,16 +111,7 @@ def describe(v, own):
         out.update(file=f.split("site-packages" + os.sep)[-1], line=code.co_firstlineno)
     return out
 
-def resolve(spec):
-    for one in spec.split("|"):
-        module, _, cls = one.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            return getattr(obj, cls) if cls else obj
-        except (ImportError, AttributeError):
-            continue
-    raise LookupError(spec)
-
+''' + _RESOLVE + r'''
 def tfdp_things():
     """Anything of tfdp (functions, classes, instances) in Keras's and TF's namespaces."""
     found = []
@@ -181,17 +184,9 @@ def clean(tmp_path_factory):
 def test_the_points_checked_are_every_point_the_adapter_wraps():
     from tfdp.keras import adapter
     import importlib
-
-    def resolve(spec):  # (as the snapshot process resolves POINTS)
-        for one in spec.split("|"):
-            module, _, cls = one.partition(":")
-            try:
-                obj = importlib.import_module(module)
-                return getattr(obj, cls) if cls else obj
-            except (ImportError, AttributeError):
-                continue
-        raise LookupError(spec)
-
+    scope = {"importlib": importlib}
+    exec(_RESOLVE, scope)  # noqa: S102  (as the snapshot process resolves POINTS)
+    resolve = scope["resolve"]
     wrapped = set()
     for name, hook_set in adapter.SETS.items():
         if name in ("peer_failure", "device_alias"):
