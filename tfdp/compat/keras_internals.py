@@ -111,6 +111,19 @@ def keras_same_rank(x1, x2, ops):
     return x1, x2
 
 
+def called_from_keras_tf_backend() -> bool:
+    """Whether the first caller on this thread's stack outside tfdp and TensorFlow is Keras's
+    TensorFlow backend (its trainer: e.g. its symbolic build reducing a first batch)."""
+    import sys
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("tfdp.", "tensorflow.")):
+            return module.startswith("keras.src.backend.tensorflow")
+        frame = frame.f_back
+    return False
+
+
 def keras_builtin_train_step():
     """Keras's own ``train_step`` (the function, to compare with): ``keras.Model``'s."""
     import keras

@@ -45,7 +45,6 @@ strategy lives (``tfdp.keras.adapter``: sets ``gradient_path`` and ``perf``).
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 
@@ -276,13 +275,7 @@ def in_keras_symbolic_build() -> bool:
         return True
     if tfp_names.available("symbolic_build"):
         return False
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("tfdp.", "tensorflow.")):
-            return module.startswith("keras.src.backend.tensorflow")
-        frame = frame.f_back
-    return False
+    return tfp.called_from_keras_tf_backend()
 
 
 def _symbolic_build(original):
