@@ -17,9 +17,7 @@ import tensorflow as tf
 from tfdp.compat import names
 from tfdp.compat.tf_internals import _context, _values
 
-_OPTIMIZER = "keras.optimizers:Optimizer"
-_TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"  # (Keras 3.16: Trainer)
-_EPOCH_IT = "keras.src.backend.tensorflow.trainer:TFEpochIterator"
+from tfdp.compat.names import _EPOCH_IT, _OPTIMIZER, _TRAINER  # (the owners names.py lists)
 
 # --- Keras 3 internals (the TensorFlow backend) --------------------------------------------------
 #
@@ -54,32 +52,28 @@ _EPOCH_IT = "keras.src.backend.tensorflow.trainer:TFEpochIterator"
 #       (``keras_epoch_iterator_element_spec``: TFEpochIterator._distributed_dataset, and the
 #       per-replica components of TF's PerReplicaSpec).
 
-def _point(owner, name):
-    return names.point(owner, name)
-
-
 def keras_hook_points():
     """{name: (owner, attribute)} for every Keras internal the gradient path wraps (owner: class
     or module; found where the installed Keras keeps it: ``tfdp.compat.names``)."""
     return {
-        "scale_loss": _point("keras.src.losses.loss", "scale_loss_for_distribution"),
-        "unscale_loss": _point("keras.src.losses.loss", "unscale_loss_for_distribution"),
-        "reduce_weighted_values": _point("keras.src.losses.loss", "reduce_weighted_values"),
-        "mean_update_state": _point("keras.metrics:Mean", "update_state"),
+        "scale_loss": names.point("keras.src.losses.loss", "scale_loss_for_distribution"),
+        "unscale_loss": names.point("keras.src.losses.loss", "unscale_loss_for_distribution"),
+        "reduce_weighted_values": names.point("keras.src.losses.loss", "reduce_weighted_values"),
+        "mean_update_state": names.point("keras.metrics:Mean", "update_state"),
         # (TensorFlow's public GradientTape: a hand-written loss in a Keras step function)
-        "tape_gradient": _point("tensorflow:GradientTape", "gradient"),
-        "apply": _point(_OPTIMIZER, "apply"),
-        "loss_scale_apply": _point("keras.optimizers:LossScaleOptimizer", "apply"),
-        "clip_gradients": _point(_OPTIMIZER, "_clip_gradients"),
-        "all_reduce_sum_gradients": _point(_OPTIMIZER, "_all_reduce_sum_gradients"),
-        "make_function": _point(_TRAINER, "_make_function"),
-        "predict_on_batch": _point("keras:Model", "predict_on_batch"),
+        "tape_gradient": names.point("tensorflow:GradientTape", "gradient"),
+        "apply": names.point(_OPTIMIZER, "apply"),
+        "loss_scale_apply": names.point("keras.optimizers:LossScaleOptimizer", "apply"),
+        "clip_gradients": names.point(_OPTIMIZER, "_clip_gradients"),
+        "all_reduce_sum_gradients": names.point(_OPTIMIZER, "_all_reduce_sum_gradients"),
+        "make_function": names.point(_TRAINER, "_make_function"),
+        "predict_on_batch": names.point("keras:Model", "predict_on_batch"),
     }
 
 
 def keras_symbolic_build_points():
     """{name: (owner, attribute)}: Keras's symbolic build of an unbuilt model at ``fit``."""
-    return {"symbolic_build": _point(_TRAINER, "_maybe_symbolic_build")}
+    return {"symbolic_build": names.point(_TRAINER, "_maybe_symbolic_build")}
 
 
 def keras_mask_weights(sample_weight, mask, dtype, ops):
@@ -265,12 +259,12 @@ def keras_epoch_iterator_element_spec(iterator):
 def keras_callbacks_hook_points():
     """{name: (owner class, attribute)} for every Keras internal tfdp.callbacks wraps."""
     return {
-        "epoch_iterator_init": _point(_EPOCH_IT, "__init__"),
-        "epoch_iterator_get_iterator": _point(_EPOCH_IT, "_get_iterator"),
-        "backup_save": _point("keras.callbacks:BackupAndRestore", "_save_model"),
-        "backup_train_end": _point("keras.callbacks:BackupAndRestore", "on_train_end"),
-        "checkpoint_save": _point("keras.callbacks:ModelCheckpoint", "_save_model"),
-        "csv_train_begin": _point("keras.callbacks:CSVLogger", "on_train_begin"),
+        "epoch_iterator_init": names.point(_EPOCH_IT, "__init__"),
+        "epoch_iterator_get_iterator": names.point(_EPOCH_IT, "_get_iterator"),
+        "backup_save": names.point("keras.callbacks:BackupAndRestore", "_save_model"),
+        "backup_train_end": names.point("keras.callbacks:BackupAndRestore", "on_train_end"),
+        "checkpoint_save": names.point("keras.callbacks:ModelCheckpoint", "_save_model"),
+        "csv_train_begin": names.point("keras.callbacks:CSVLogger", "on_train_begin"),
     }
 
 
@@ -419,8 +413,8 @@ def keras_model_checkpoint_writing_to(callback, directory):
 
 def keras_perf_hook_points():
     """{name: (owner, attribute)} of the Keras internals the perf hooks wrap (owner: module)."""
-    return {"take": _point("keras.src.backend.tensorflow.numpy", "take"),
-            "sgd_build": _point("keras.optimizers:SGD", "build")}
+    return {"take": names.point("keras.src.backend.tensorflow.numpy", "take"),
+            "sgd_build": names.point("keras.optimizers:SGD", "build")}
 
 
 def keras_variable_storage(x):
@@ -446,10 +440,10 @@ def keras_variable_storage(x):
 def keras_zero_hook_points():
     """{name: (owner, attribute)} of the Keras internals ``tfdp.zero`` wraps."""
     return {
-        "build": _point(_OPTIMIZER, "build"),
-        "backend_apply_gradients": _point(_OPTIMIZER, "_backend_apply_gradients"),
-        "apply": _point(_OPTIMIZER, "apply"),
-        "loss_scale_apply": _point("keras.optimizers:LossScaleOptimizer", "apply"),
+        "build": names.point(_OPTIMIZER, "build"),
+        "backend_apply_gradients": names.point(_OPTIMIZER, "_backend_apply_gradients"),
+        "apply": names.point(_OPTIMIZER, "apply"),
+        "loss_scale_apply": names.point("keras.optimizers:LossScaleOptimizer", "apply"),
     }
 
 
