@@ -27,6 +27,7 @@ POINTS = [  # (owner: "module:Class" or "module"; "a|b": the first that exists)
     ("keras.src.losses.loss", "reduce_weighted_values"),
     ("keras.metrics:Mean", "update_state"),
     ("keras:Model", "predict_on_batch"),
+    ("keras:Model", "get_metrics_result"),
     ("tensorflow:GradientTape", "gradient"),
     ("keras.optimizers:Optimizer", "apply"),
     ("keras.optimizers:Optimizer", "_clip_gradients"),

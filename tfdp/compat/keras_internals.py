@@ -68,6 +68,7 @@ def keras_hook_points():
         "all_reduce_sum_gradients": names.point(_OPTIMIZER, "_all_reduce_sum_gradients"),
         "make_function": names.point(_TRAINER, "_make_function"),
         "predict_on_batch": names.point("keras:Model", "predict_on_batch"),
+        "get_metrics_result": names.point("keras:Model", "get_metrics_result"),
     }
 
 

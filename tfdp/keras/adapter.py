@@ -18,8 +18,10 @@ set                 what it wraps                             used by           
                     values, Mean.update_state, GradientTape.
                     gradient, optimizer apply (also the loss-
                     scale wrapper's), _clip_gradients,
-                    _all_reduce_sum_gradients, _make_function
-                    (``tfdp.keras.gradient_path``, ``losses``)
+                    _all_reduce_sum_gradients, _make_function,
+                    Model.predict_on_batch / get_metrics_
+                    result (``tfdp.keras.gradient_path``,
+                    ``losses``, ``reported``)
 ``symbolic_build``  _maybe_symbolic_build (an unbuilt model   every tfdp strategy       off
                     built from the element spec)
 ``perf``            Keras's TF ``take``, ``SGD.build``        every tfdp strategy       off

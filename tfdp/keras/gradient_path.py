@@ -52,7 +52,7 @@ import tensorflow as tf
 
 from tfdp import compat as tfp
 from tfdp.compat import names as tfp_names
-from tfdp.keras import adapter, losses
+from tfdp.keras import adapter, losses, reported
 from tfdp.keras.step import StepContext, is_tfdp, running  # noqa: F401 (the strategy's names)
 from tfdp.keras.step import current as _current
 
@@ -328,6 +328,17 @@ class _ReplicaXlaStep:
         for optimizer, n, variables in self.applies[replica]:
             optimizer.apply(grads[i:i + n], variables)
             i += n
+        return self._reported(logs)
+
+    def _reported(self, logs):
+        """Keras's own train / test step returns ``get_metrics_result()``, read locally inside
+        the compiled part: read again here, where the collective can run, so every replica
+        returns the job's values (``tfdp.keras.reported``)."""
+        import keras
+        step = getattr(self.step_function, "__wrapped__", None)
+        if getattr(step, "__func__", None) in (tfp.keras_builtin_train_step(),
+                                               keras.Model.test_step):
+            return step.__self__.get_metrics_result()
         return logs
 
     def _compiled_body(self, data, replica):
@@ -382,6 +393,7 @@ def _predict_on_batch(original):
 
 _HOOKS = {
     **losses.HOOKS,  # what a replica's loss is worth (tfdp.keras.losses)
+    **reported.HOOKS,  # the metric values a step reports (tfdp.keras.reported)
     "predict_on_batch": _predict_on_batch,
     "apply": _apply,
     "loss_scale_apply": _apply,

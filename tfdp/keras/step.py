@@ -40,6 +40,11 @@ class StepContext:
         self.live = None if shares is None else [s > 0 for s in shares]
         self.masks = None if shares is None else [tf.cast(v, tf.float32) for v in self.live]
         self.padded = False  # whether empty replicas got one example (strategy's padding)
+        # with ``padded``: id(ON_READ variable) -> its local replicas' values before the step
+        # (an empty replica's metric updates are undone after it); ``whole_state``: reduce
+        # from every replica, padded ones included (the metrics' state, ``tfdp.keras.reported``)
+        self.on_read_before: dict = {}
+        self.whole_state = False
         # local replica id -> [(optimizer, grads, variables)] while that replica's XLA-compiled
         # step is traced: its optimizer updates wait until the compiled part has returned
         self.deferred: dict[int, list] = {}

@@ -122,6 +122,7 @@ class DataParallelExtendedBase:
             args, step.padded = self._pad_empty_replicas(args, step.live)
             if step.padded:
                 saved = self._read_on_read_state(own)
+                step.on_read_before = {id(v): vals for v, vals in saved}
         with gradient_path.running(self, step):
             result = self._run_replicas(fn, args, kwargs)
         if step.padded:
@@ -423,7 +424,7 @@ class DataParallelExtendedBase:
                                    for v, d in value_destination_pairs]
         step = self.tfdp_context
         if (step is not None and step.padded and step.masks is not None
-                and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
+                and not step.whole_state and tf.distribute.ReduceOp(str(getattr(reduce_op, "value", reduce_op)).upper())
                 == tf.distribute.ReduceOp.SUM):
             # a replica-context all-reduce (SyncBatchNorm's sums and counts) in a step with a
             # padded replica: that replica adds nothing
