@@ -396,3 +396,40 @@ def test_the_two_line_change_is_two_added_lines():
             "tfdp.set_default_strategy()    # a DataParallelStrategy() is this program's "
             "default strategy"], lines
         assert not [ln for ln in lines if ln.startswith("-")], lines
+
+
+_QUOTES = re.compile(r"`(?P<path>[\w./-]+\.\w+)` in full|abridged from `(?P<abridged>[\w./-]+\.\w+)`")
+
+
+def _quoted_blocks():
+    """``[(page, line, path, block, whole)]``: every code block the text before it says is a
+    file's full text (``whole``) or abridged from a file."""
+    out = []
+    for page in _pages() + ["../README.md"]:
+        text = _read(os.path.join(DOCS, page))
+        lines = text.splitlines()
+        for line, _, block, _ in code_blocks(text):
+            before = " ".join(lines[max(0, line - 6):line - 1])
+            found = list(_QUOTES.finditer(before))
+            if found:
+                m = found[-1]
+                out.append((page, line, m.group("path") or m.group("abridged"), block,
+                            m.group("path") is not None))
+    return out
+
+
+def test_snippets_that_quote_a_file_match_it():
+    """A snippet said to be a file "in full" is the file's text; one "abridged from" a file has
+    only the file's lines (but lines with an ellipsis: what was left out)."""
+    quoted = _quoted_blocks()
+    assert quoted, "no page quotes a file (the check would check nothing)"
+    for page, line, path, block, whole in quoted:
+        actual = _read(os.path.join(ROOT, path))
+        where = f"docs/{page}:{line} quotes {path}"
+        if whole:
+            assert block.strip() == actual.strip(), f"{where} 'in full', and it differs"
+            continue
+        lines = {ln.strip() for ln in actual.splitlines()}
+        extra = [ln for ln in block.splitlines()
+                 if ln.strip() and "..." not in ln and ln.strip() not in lines]
+        assert not extra, f"{where} (abridged), but these lines are not the file's: {extra}"
