@@ -8,6 +8,9 @@ script plus two added lines (nothing removed, nothing re-indented, no `with` blo
 Run: python examples/workstation_vision_single.py [--epochs N] [--batch-size B]
      TFDP_CPU_REPLICAS=4 python examples/workstation_vision_dp.py     (no GPU: 4 CPU replicas)
 The digits (1,797 real 8x8 images) ship inside scikit-learn: nothing is downloaded.
+BatchNormalization(synchronized=True) computes each batch's statistics over the whole global
+batch, so the twin trains one device's weights; plain BatchNormalization would use each
+replica's own examples (Keras's per-replica statistics, as under MirroredStrategy).
 """
 
 import argparse
@@ -20,6 +23,7 @@ from sklearn.datasets import load_digits
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--epochs", type=int, default=20)
 parser.add_argument("--batch-size", type=int, default=256, help="global batch (all replicas)")
+parser.add_argument("--save-weights", metavar="FILE.npz", help="save the trained weights")
 args = parser.parse_args()
 
 digits = load_digits()
@@ -33,7 +37,7 @@ keras.utils.set_random_seed(0)
 model = keras.Sequential([
     keras.Input((8, 8, 1)),
     keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
-    keras.layers.BatchNormalization(momentum=0.9),
+    keras.layers.BatchNormalization(momentum=0.9, synchronized=True),  # global batch statistics
     keras.layers.ReLU(),
     keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
     keras.layers.MaxPooling2D(),
@@ -50,3 +54,5 @@ print(f"{type(strategy).__name__}: {strategy.num_replicas_in_sync} replica(s)")
 model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=2)
 loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
 print(f"test accuracy {accuracy:.4f}, test loss {loss:.4f}")
+if args.save_weights:
+    np.savez(args.save_weights, *model.get_weights())

@@ -433,3 +433,15 @@ def test_snippets_that_quote_a_file_match_it():
         extra = [ln for ln in block.splitlines()
                  if ln.strip() and "..." not in ln and ln.strip() not in lines]
         assert not extra, f"{where} (abridged), but these lines are not the file's: {extra}"
+
+
+def test_diff_output_shown_in_the_docs_is_the_files_diff(run_process):
+    shown = [(page, block) for page in _pages() + ["../README.md"]
+             for _, lang, block, _ in code_blocks(_read(os.path.join(DOCS, page)))
+             if lang == "text" and block.startswith("$ diff ")]
+    assert shown, "no page shows a diff's output (the check would check nothing)"
+    for page, block in shown:
+        command, _, output = block.partition("\n")
+        actual = subprocess.run(shlex.split(command[2:]), cwd=ROOT, capture_output=True,
+                                text=True, timeout=30).stdout
+        assert output.strip() == actual.strip(), f"docs/{page}: `{command[2:]}` prints:\n{actual}"
