@@ -135,10 +135,6 @@ def test_prediction_calls_return_one_devices_rows(n):
         assert got.shape == (n, 1)
         np.testing.assert_allclose(got, expected, atol=1e-5)
     evaluated = many.evaluate(x, y, batch_size=7, verbose=0)
-    if np.isnan(evaluated[0]) and keras.__version__.startswith("3.16."):
-        pytest.xfail("known, open: with Keras 3.16 dev, evaluate's first trace on a batch split "
-                     "unevenly across the replicas reports a NaN loss under tfdp (the metrics "
-                     "are right; a first trace on an even split is right after)")
     np.testing.assert_allclose(evaluated, one.evaluate(x, y, batch_size=7, verbose=0),
                                atol=1e-5)
     np.testing.assert_allclose(many.test_on_batch(x, y), one.test_on_batch(x, y), atol=1e-5)

@@ -157,3 +157,38 @@ def test_nothing_changes_outside_a_tfdp_step():
     m.update_state(2.0)
     m.update_state(4.0)
     assert float(m.result()) == 3.0
+
+
+@pytest.mark.parametrize("loss, sample_weight", [
+    ("mse", None), ("mse_sum", None), ("mse_weighted_mean", True)])
+def test_an_empty_replica_of_a_static_split_adds_zero(loss, sample_weight):
+    """Keras returns the empty values of an empty batch as its "loss" (shape (0,)), which its
+    loss tracker sums to NaN. A split whose shapes are static (Keras 3.16 traces evaluate's first
+    batch so: 5 examples on 4 replicas, 2,2,1,0) leaves a replica empty: its loss is 0, and the
+    sum over replicas weighted by the shares is one device's loss."""
+    fn = {"mse": keras.losses.MeanSquaredError(),
+          "mse_sum": keras.losses.MeanSquaredError(reduction="sum"),
+          "mse_weighted_mean": keras.losses.MeanSquaredError(
+              reduction="mean_with_sample_weight")}[loss]
+    rng = np.random.default_rng(1)
+    y, p = rng.normal(size=(5, 3)).astype("float32"), rng.normal(size=(5, 3)).astype("float32")
+    w = rng.random(5).astype("float32")
+    rows = [(0, 2), (2, 4), (4, 5), (5, 5)]
+    strategy = tfdp.DataParallelStrategy(DEVS)
+
+    def part(array):
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(array[slice(*rows[ctx.replica_id_in_sync_group])]))
+
+    def step(y_true, y_pred, weights):
+        return fn(y_true, y_pred, sample_weight=weights if sample_weight else None)
+    out = strategy.run(step, args=(part(y), part(p), part(w)))
+    values = [float(v) for v in strategy.experimental_local_results(out)]
+    assert all(np.isfinite(values)), values
+    want = float(fn(y, p, sample_weight=w if sample_weight else None))
+    if loss == "mse":  # a replica's own mean, weighted by its share of the 5 examples
+        got = sum(v * (b - a) / 5 for v, (a, b) in zip(values, rows))
+        assert values[3] == 0.0
+    else:  # the divisor is counted across replicas: every replica reports the global value
+        got = values[3]
+    np.testing.assert_allclose(got, want, rtol=1e-6)

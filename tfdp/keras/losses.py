@@ -126,7 +126,12 @@ def _reduce_weighted_values(original):
             return _scalar_loss(cur, v, reduction)
         divisor_known = mask is None and (reduction != "mean_with_sample_weight"
                                           or sample_weight is None)
-        if (reduction in _MEANS and divisor_known) or tuple(v.shape) == (0,):
+        if reduction in _MEANS and divisor_known:
+            if tuple(v.shape) == (0,):
+                # an empty replica of a split whose shapes are static (Keras 3.16 traces
+                # evaluate's first batch so): Keras would return the empty values, which its
+                # loss tracker sums to NaN; the replica's mean is 0 (its share is 0)
+                return _replica_mean(cur, keras_ops.sum(v))
             # the element count: Keras divides by the local count and calls
             # scale_loss_for_distribution (below), which weights the gradient by the share
             return original(values, sample_weight=sample_weight, mask=mask,
@@ -146,7 +151,8 @@ def _reduce_weighted_values(original):
             divisor = keras_ops.sum(w)
         else:  # masked mean: the valid elements, in the units Keras divides by
             valid = keras_ops.sum(keras_ops.cast(m, v.dtype))
-            divisor = valid * (tf.cast(tf.size(v), v.dtype) / tf.cast(tf.size(m), v.dtype))
+            divisor = valid * tf.math.divide_no_nan(tf.cast(tf.size(v), v.dtype),
+                                                    tf.cast(tf.size(m), v.dtype))
         return _global_ratio(cur, local_sum, divisor,
                              "a masked or sample-weight-mean loss (its divisor is counted "
                              "across replicas)")
