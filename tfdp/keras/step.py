@@ -10,6 +10,7 @@ the strategy's own replica-context paths read every piece of the step's state fr
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -52,17 +53,24 @@ class StepContext:
         self.optimizers: list = []
         self.keras_steps: set[int] = set()
         self.weighted: dict[int, set] = {}
-        self.no_merge = 0
+        self._no_merge = threading.local()  # per replica thread (replicas run concurrently)
         self.xla_refusal = None
 
     @contextlib.contextmanager
     def replica_collectives(self):
-        """Reduce from the replica contexts (no merge_call) while inside."""
-        self.no_merge += 1
+        """Reduce from the replica contexts (no merge_call) while inside, in the calling
+        replica's thread: TF runs the replicas' threads concurrently between their collectives,
+        so another replica may be outside at the same time."""
+        self._no_merge.depth = self.no_merge + 1
         try:
             yield
         finally:
-            self.no_merge -= 1
+            self._no_merge.depth -= 1
+
+    @property
+    def no_merge(self) -> int:
+        """How deep the calling replica is in ``replica_collectives()`` (0: not inside)."""
+        return getattr(self._no_merge, "depth", 0)
 
 
 @tf.autograph.experimental.do_not_convert  # (called from tfdp's per-replica XLA step)

@@ -283,7 +283,7 @@ class DataParallelExtendedBase:
 
     def _use_merge_call(self):
         step = self.tfdp_context
-        if step is not None and (step.no_merge or step.deferred):
+        if step is not None and (step.no_merge or tfp.current_replica_id() in step.deferred):
             return False  # (inside an XLA-compiled replica step: no merge_call can run there)
         if self._num_workers_in_job() > 1:
             return True  # across workers tfdp's reduction always sees all local values at once
