@@ -94,8 +94,7 @@ def _global_ratio(cur, local_sum, divisor, what):
     live = step.masks[replica]
     s = tf.math.multiply_no_nan(tf.cast(local_sum, tf.float32), live)
     d = live if divisor is None else tf.math.multiply_no_nan(tf.cast(divisor, tf.float32), live)
-    totals = tf.distribute.get_replica_context().all_reduce(
-        SUM, tf.stop_gradient(tf.stack([s, d])))
+    (totals,) = extended.all_reduce_values(SUM, [tf.stop_gradient(tf.stack([s, d]))])
     if divisor is None:
         value, gradient_weight = totals[0], live
     else:

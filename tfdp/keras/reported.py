@@ -40,7 +40,7 @@ def global_metric_state(model, step, replica):
             if id(v) not in seen:
                 seen.add(id(v))
                 variables.append(v)
-    ctx = tf.distribute.get_replica_context()
+    extended = tf.distribute.get_replica_context().strategy.extended
     mapping = []
     groups: dict = {}  # (reduce op, dtype) -> [variable]: one all-reduce each
     for v in variables:
@@ -59,7 +59,7 @@ def global_metric_state(model, step, replica):
     step.whole_state = True  # (the strategy masks padded replicas out of a step's sums)
     try:
         for (op, _), vs in groups.items():
-            mapping.extend(zip(vs, ctx.all_reduce(op, [local(v) for v in vs])))
+            mapping.extend(zip(vs, extended.all_reduce_values(op, [local(v) for v in vs])))
     finally:
         step.whole_state = False
     return mapping

@@ -72,6 +72,13 @@ class DataParallelExtendedBase:
         """tfdp's reducer for this strategy (``tfdp.reduce.Reducer``)."""
         return self._tfdp_reduce
 
+    def all_reduce_values(self, reduce_op, values):
+        """``values`` (a list of tensors) reduced over every replica of the job, from a replica
+        context, with no gradient: TF's ``ReplicaContext.all_reduce`` wraps its reduction in a
+        ``tf.custom_gradient`` whose gradient function (TF keeps it for the rest of the
+        process) holds the replica context, and with it the strategy and its hooks."""
+        return self._replica_ctx_all_reduce(reduce_op, list(values))
+
     def all_reduce_gradients(self, grads, densify_ok=False):
         """SUM of every replica's ``grads`` (a flat list), called from a replica context by the
         gradient path (``tfdp.keras.gradient_path``); an empty replica's gradients count as zero.
