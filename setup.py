@@ -37,7 +37,7 @@ TF_REQ = ("tensorflow-cpu" if _tf_flavour == "cpu" else "tensorflow[and-cuda]") 
 # The documentation site (mkdocs.yml): MkDocs + Material + mkdocstrings, pinned so that
 # `mkdocs build --strict` (tests/test_docs.py, in the test extra) sees the same warnings everywhere.
 DOCS_REQ = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8",
-            "mkdocstrings-python==2.0.11"]
+            "mkdocstrings-python==2.0.11", "black==26.10.1"]  # (black: API signatures formatted)
 
 setup(
     name="tfdp",

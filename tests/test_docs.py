@@ -163,6 +163,22 @@ def test_site_builds_strictly_with_every_page_and_the_api(site):
         os.path.join(site, "benchmarks", "index.html")).replace("'", '"')
 
 
+def test_api_signatures_are_formatted_one_parameter_a_line(site):
+    """mkdocstrings formats a signature with black (the docs extra): a long one is one
+    parameter a line, none wider than mkdocs.yml's line_length, not one clipped line."""
+    import html
+    signatures = []
+    for page in glob.glob(os.path.join(site, "reference", "**", "index.html"), recursive=True):
+        for block in re.findall(r'<div class="doc-signature highlight"><pre>(.*?)</pre>',
+                                _read(page), re.S):
+            signatures.append(html.unescape(re.sub(r"<[^>]+>", "", block)).strip("\n"))
+    assert signatures, "no API signature found in the site"
+    strategy = [s for s in signatures if s.startswith("DataParallelStrategy(")]
+    assert strategy and "\n    all_reduce: str = " in strategy[0], strategy[:1]
+    wide = [line for s in signatures for line in s.splitlines() if len(line) > 80]
+    assert not wide, wide[:5]
+
+
 def test_every_public_name_of_tfdp_is_in_the_api_reference(site):
     import tfdp
     api = _read(os.path.join(site, "reference", "index.html"))
