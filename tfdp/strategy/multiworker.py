@@ -236,7 +236,9 @@ def _copy_primary_initial_value(base, primary_value, primary_var, device):
     Instead every copy takes the primary's initial value *tensor* (worker 0's broadcast value),
     so every initializer lifts: the same value on every copy of every worker, as before.
     """
-    if (primary_value is None or primary_value.graph is not tf.compat.v1.get_default_graph()
+    if (primary_value is None
+            or (tf.is_symbolic_tensor(primary_value)  # (Keras 3.16 initializes eagerly here)
+                and primary_value.graph is not tf.compat.v1.get_default_graph())
             or primary_value.dtype != primary_var.dtype
             or not primary_value.shape.is_compatible_with(primary_var.shape)):
         return base  # (not this primary's value: TF's way)
