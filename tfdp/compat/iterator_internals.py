@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 
 import tensorflow as tf
@@ -319,6 +320,10 @@ def _at_exit():
 def release_in_background(resources) -> None:
     """Drop ``resources`` (tensors, iterators) in tfdp's one background release thread."""
     global _releaser
+    if _exiting or sys.is_finalizing():
+        # (no thread starts once the interpreter exits: Thread.start() would wait forever)
+        _left_at_exit.append(resources)
+        return
     with _lock:
         if _releaser is None:
             import atexit
