@@ -43,12 +43,11 @@ def global_metric_state(model, step, replica):
     extended = tf.distribute.get_replica_context().strategy.extended
     mapping = []
     groups: dict = {}  # (reduce op, dtype) -> [variable]: one all-reduce each
-    for v in variables:
+    for v in variables:  # (a variable left out of the mapping reads its local value)
         op = _REDUCE.get(str(getattr(v, "aggregation", "sum")))
-        if op is None:
-            mapping.append((v, tf.convert_to_tensor(v)))
-        else:
+        if op is not None:
             groups.setdefault((op, v.dtype), []).append(v)
+
     def local(v):
         value = tf.stop_gradient(tf.convert_to_tensor(v))
         before = step.on_read_before.get(id(getattr(v, "value", v))) if step.padded else None
