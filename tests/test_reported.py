@@ -89,3 +89,38 @@ def test_custom_loop_replicas_read_their_own_metric_state():
         lambda ctx: float(ctx.replica_id_in_sync_group + 1))
     out = strategy.run(step, args=(values,))
     assert sorted(float(v) for v in strategy.experimental_local_results(out)) == [1.0, 2.0]
+
+
+def _two_output_state(strategy):
+    """A two-output model's fit: every metric's state (total, count) after each batch."""
+    keras.utils.set_random_seed(5)
+    x, y = _data()
+    states = []
+
+    class State(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            states.append({f"{m.name}/{i}": float(keras.ops.convert_to_numpy(v))
+                           for top in self.model.metrics for m in getattr(top, "metrics", [top])
+                           for i, v in enumerate(m.variables)})
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        inp = keras.Input((6,))
+        h = keras.layers.Dense(8, activation="relu")(inp)
+        model = keras.Model(inp, {"a": keras.layers.Dense(1, name="a")(h),
+                                  "b": keras.layers.Dense(1, name="b")(h)})
+        model.compile(keras.optimizers.SGD(0.1), loss={"a": "mse", "b": "mae"},
+                      loss_weights={"a": 1.0, "b": 0.5})
+    hist = model.fit(x, {"a": y, "b": 2 * y}, batch_size=BATCH, epochs=2, shuffle=False,
+                     verbose=0, callbacks=[State()]).history
+    return states, hist
+
+
+def test_per_output_loss_trackers_hold_one_devices_state():
+    """Keras weights a per-output loss tracker's update by the batch's static size, or gives it
+    the weight 1 where the size is dynamic (Keras 3.16 traces the first batch with static shapes
+    and the last, partial one without: both kinds of weight in one tracker). The state summed
+    over the replicas (total and count) is one device's after every batch, so is History."""
+    want, want_hist = _two_output_state(None)
+    got, got_hist = _two_output_state(tfdp.DataParallelStrategy(DEVS))
+    _compare(got, want)
+    _compare([{k: v[-1] for k, v in got_hist.items()}], [{k: v[-1] for k, v in want_hist.items()}])

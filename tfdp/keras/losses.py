@@ -191,16 +191,19 @@ def _unscale_loss(original):
 
 def _mean_update_state(original):
     """``keras.metrics.Mean.update_state(scalar)`` in a tfdp step: weighted by the replica's
-    share of the batch (times the replica count), so that a tracker of a per-batch mean
-    reports the one-device mean, also for uneven batches."""
+    share of the batch, so that a tracker of a per-batch mean reports the one-device mean, also
+    for uneven batches, and its count is one device's (the shares add up to the weight 1 one
+    device gives the scalar). Keras's per-output loss trackers pass the batch's static size as
+    the weight, and None where the size is dynamic: Keras 3.16 traces a fit's first batch with
+    static shapes and a last partial batch without, so the two kinds of weight meet in one
+    tracker and the counts must be one device's."""
     def update_state(self, values, sample_weight=None):
         cur = current()
         if cur is not None and cur[1].shares is not None and sample_weight is None:
             v = tf.convert_to_tensor(values)
             if v.shape.rank == 0:
                 _, step, replica = cur
-                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-                sample_weight = step.shares[replica] * float(replicas)
+                sample_weight = step.shares[replica]
                 values = v
         return original(self, values, sample_weight=sample_weight)
     return update_state
