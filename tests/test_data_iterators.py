@@ -3,6 +3,8 @@ the same elements in the same order as TF's own MultiDeviceIterator (MirroredStr
 replicas), unread iterators of independent pipelines never built, Python pipelines released
 synchronously, and custom loops (iterators made inside a tf.function) unchanged."""
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -147,20 +149,40 @@ def test_release_in_background_only_without_python(strategies):
 
 
 def test_background_release_thread_drops_what_it_is_given():
-    import weakref
+    import time
+
+    dropped_in = []
 
     class Thing:
-        pass
+        def __del__(self):
+            dropped_in.append(threading.current_thread().name)
 
-    thing = Thing()
-    ref = weakref.ref(thing)
-    compat.release_in_background([thing])
-    del thing
-    import time
+    compat.start_releaser()
+    compat.release_in_background([Thing()])
     deadline = time.monotonic() + 10
-    while ref() is not None and time.monotonic() < deadline:
+    while not dropped_in and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ref() is None
+    assert dropped_in == ["tfdp-iterator-release"]
+
+
+def test_a_release_from_a_finalizer_never_waits_on_the_modules_locks():
+    """The garbage collector runs an iterator's __del__ wherever an allocation triggers it: in
+    the suite, inside a trace under the module's function-cache lock, and the release waited
+    on that lock for good (Keras 3.16's whole suite hung in one worker)."""
+    from tfdp.compat import iterator_internals as ii
+
+    compat.start_releaser()
+    done = threading.Event()
+
+    def collect_while_holding_the_locks():
+        with ii._lock, ii._releaser_lock:
+            compat.release_in_background([object()])
+        done.set()
+
+    t = threading.Thread(target=collect_while_holding_the_locks, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "release_in_background waited on a lock its caller held"
 
 
 def test_custom_loop_iterating_inside_a_tf_function(strategies):

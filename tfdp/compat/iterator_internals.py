@@ -208,6 +208,8 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
                            prefetch_buffer_size)
         self._tfdp_lock = threading.Lock()
         self._tfdp_release_in_background = release_in_background
+        if release_in_background:
+            start_releaser()  # (here, not in __del__: a finalizer takes no lock)
         if not lazy:
             self._tfdp_build()
 
@@ -293,6 +295,7 @@ _first_lock = threading.Lock()
 
 _releases = queue.SimpleQueue()
 _releaser = None
+_releaser_lock = threading.Lock()
 _exiting = False
 _left_at_exit = []  # what was still queued at exit: destroyed with the interpreter's objects
 _EXIT_WAIT_S = 10.0
@@ -317,20 +320,35 @@ def _at_exit():
         _releaser.join(_EXIT_WAIT_S)
 
 
-def release_in_background(resources) -> None:
-    """Drop ``resources`` (tensors, iterators) in tfdp's one background release thread."""
+def start_releaser() -> None:
+    """Start tfdp's one background release thread, once (from ordinary code, never from a
+    finalizer: this takes a lock)."""
     global _releaser
-    if _exiting or sys.is_finalizing():
+    if _releaser is not None or _exiting or sys.is_finalizing():
         # (no thread starts once the interpreter exits: Thread.start() would wait forever)
-        _left_at_exit.append(resources)
         return
-    with _lock:
+    with _releaser_lock:
         if _releaser is None:
             import atexit
-            _releaser = threading.Thread(target=_release_loop, name="tfdp-iterator-release",
-                                         daemon=True)
-            _releaser.start()
+            thread = threading.Thread(target=_release_loop, name="tfdp-iterator-release",
+                                      daemon=True)
+            thread.start()
+            _releaser = thread
             atexit.register(_at_exit)
+
+
+def release_in_background(resources) -> None:
+    """Drop ``resources`` (tensors, iterators) in the release thread (:func:`start_releaser`).
+
+    Lock-free: it runs in ``__del__``, which the garbage collector calls at any allocation in
+    any thread, also one holding a lock of this module (a trace under ``_lock`` collected an
+    iterator, whose release waited on ``_lock``: the thread hung for good). ``SimpleQueue.put``
+    is safe there (reentrant)."""
+    if _exiting or sys.is_finalizing():
+        _left_at_exit.append(resources)
+        return
+    if _releaser is None:  # (never started: dropped here, as TF's iterators drop theirs)
+        return
     _releases.put(resources)
 
 
