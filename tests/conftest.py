@@ -13,11 +13,13 @@ runs both):
   fixture) -- never by hand. ``multiprocess`` is kept as an alias of ``e2e`` (applied with it).
 - ``slow``: full README runs, network-namespace jobs, fault trials, long benchmark runs (by hand,
   or here in :data:`SLOW`).
-- ``serial``: e2e tests that .ci/run runs one at a time, not under pytest-xdist (:data:`SERIAL`).
+- ``serial``: e2e tests that run while no other test runs (:data:`SERIAL`).
 
-The core tier runs in 2 pytest-xdist workers in .ci/run (``-n 2 --dist loadgroup``): tests sharing
-an expensive set-up (a module-scoped fixture, a memo of reference fits) stay in one worker
-(:data:`SHARED_SETUP`, scheduled by :func:`pytest_xdist_make_scheduler`).
+Plain ``pytest`` runs in pytest-xdist workers (pytest.ini: ``-n auto --dist loadgroup``; one
+worker per CPU, :func:`pytest_xdist_auto_num_workers`; ``-n 0`` for one process): tests sharing an
+expensive set-up (a module-scoped fixture, a memo of reference fits) stay in one worker
+(:data:`SHARED_SETUP`, scheduled by :func:`pytest_xdist_make_scheduler`), and a serial test waits
+until no other test runs, in any worker, and runs alone (:func:`_alone_if_serial`).
 
 The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
 ``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
@@ -25,7 +27,10 @@ fixture to use, so a core-tier test can never start a process unnoticed. A test 
 ``multiprocess`` or ``e2e`` by hand without a process fixture is a collection error.
 """
 
+import contextlib
+import fcntl
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # tests are CPU-only, also on GPU hosts
@@ -54,9 +59,9 @@ SLOW = (
     "tests/test_failures.py::test_a_slow_step_is_not_a_failure",
 )
 
-#: e2e tests that ``.ci/run`` runs one at a time (``serial``), not beside others under
-#: pytest-xdist: they assert how fast the launcher or a worker reacts, use network namespaces,
-#: or run the README's commands in the repository root.
+#: e2e tests that run alone (``serial``): under pytest-xdist no other test runs beside one
+#: (:func:`_alone_if_serial`). They assert how fast the launcher or a worker reacts, use network
+#: namespaces, or run the README's commands in the repository root.
 SERIAL = (
     "tests/test_failures.py::",   # seconds from a failure to the end of the job
     "tests/test_startup.py::",    # start-up deadlines and signals, timed
@@ -67,7 +72,7 @@ SERIAL = (
 )
 
 
-#: Under pytest-xdist with ``--dist loadgroup`` (.ci/run's core stage), tests that share an
+#: Under pytest-xdist with ``--dist loadgroup`` (pytest.ini's default), tests that share an
 #: expensive set-up run in one worker, which computes it once instead of once per worker: node id
 #: regex -> group (``{0}``: the regex's first group). The scheduler below sends each group to one
 #: worker as a unit (largest first), every other test on its own. (Not xdist's own
@@ -137,8 +142,8 @@ def pytest_configure(config):
         "using the run_process / worker_job fixtures; deselect with -m 'not e2e')")
     config.addinivalue_line("markers", "multiprocess: alias of e2e (applied with it)")
     config.addinivalue_line(
-        "markers", "serial: e2e tests .ci/run keeps out of pytest-xdist (timed, namespaces, "
-        "README runs; tests/conftest.py's SERIAL)")
+        "markers", "serial: e2e tests that run alone, also under pytest-xdist (timed, "
+        "namespaces, README runs; tests/conftest.py's SERIAL)")
     config.addinivalue_line(
         "markers", "slow: full README runs, network namespaces, fault trials, long benchmark "
         "runs (deselect with -m 'not slow')")
@@ -233,13 +238,86 @@ def _install_guard():
         setattr(os, name, _wrapped)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    _GUARD["blocked"] = None if item.get_closest_marker("e2e") else item.nodeid
+# --- serial tests under pytest-xdist ------------------------------------------------------------
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest.ini's default): one worker per CPU this process may use, at most 8 and
+    one per 3 GB of available memory (an e2e test's workers are TensorFlow processes of their
+    own); ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as in pytest-xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # (pytest-xdist's own hook reads it)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        by_memory = max(1, avail // (3 * 1024 * 1024))
+    except (OSError, StopIteration, ValueError):
+        by_memory = 8
+    return max(1, min(cpus or 1, 8, by_memory))
+
+
+_SERIAL_LOCKS = []  # the controller's lock files, removed when the run ends
+
+
+def _lock_paths(testrunuid):
+    base = os.path.join(tempfile.gettempdir(), f"tfdp-pytest-{testrunuid}")
+    return base + ".gate", base + ".room"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # (pytest-xdist, in the controller: one call per worker)
+    paths = _lock_paths(node.workerinput["testrunuid"])
+    if paths not in _SERIAL_LOCKS:
+        _SERIAL_LOCKS.append(paths)
+
+
+def pytest_unconfigure(config):
+    for paths in _SERIAL_LOCKS:
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
+def _alone_if_serial(item):
+    """Under pytest-xdist, a ``serial`` test runs while no other test does, in any worker; the
+    others run side by side. Two file locks shared by the run's workers: the room, held shared
+    by every running test and exclusively by a serial one, and a gate before it that a serial
+    test holds while it waits, so that tests starting meanwhile queue behind it instead of
+    keeping the room busy for ever. Without pytest-xdist, tests run one at a time anyway."""
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
         yield
-    finally:
-        _GUARD["blocked"] = None
+        return
+    gate_path, room_path = _lock_paths(workerinput["testrunuid"])
+    with open(gate_path, "a") as gate, open(room_path, "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if item.get_closest_marker("serial"):
+            fcntl.flock(room, fcntl.LOCK_EX)  # every running test has left
+            try:
+                yield
+            finally:
+                fcntl.flock(room, fcntl.LOCK_UN)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(room, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(room, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's wrapper: waiting
+def pytest_runtest_protocol(item, nextitem):         # for a serial test is not this test's time)
+    with _alone_if_serial(item):
+        _GUARD["blocked"] = None if item.get_closest_marker("e2e") else item.nodeid
+        try:
+            yield
+        finally:
+            _GUARD["blocked"] = None
 
 
 # --- fixtures -----------------------------------------------------------------------------------
