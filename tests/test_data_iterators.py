@@ -170,12 +170,13 @@ def test_a_release_from_a_finalizer_never_waits_on_the_modules_locks():
     the suite, inside a trace under the module's function-cache lock, and the release waited
     on that lock for good (Keras 3.16's whole suite hung in one worker)."""
     from tfdp.compat import iterator_internals as ii
+    from tfdp.compat import iterator_release as ir
 
     compat.start_releaser()
     done = threading.Event()
 
     def collect_while_holding_the_locks():
-        with ii._lock, ii._releaser_lock:
+        with ii._lock, ir._releaser_lock:
             compat.release_in_background([object()])
         done.set()
 

@@ -6,7 +6,8 @@
   the fast paths and sharded optimizer state) and ``wrap`` / ``unwrap``, the one mechanism that
   wraps them (the hook sets, and when they are in Keras: ``tfdp.keras.adapter``).
 * ``iterator_internals.py``: the multi-device iterator of a distributed dataset, built with its
-  per-device functions traced once (``tfdp.data._iterators``).
+  per-device functions traced once (``tfdp.data._iterators``); ``iterator_release.py``: the one
+  thread that drops those iterators (no TensorFlow name: a queue and a thread).
 * ``names.py``: the list of every private name (imports, calls, overridden hooks, wrapped
   functions, attributes), why each is needed, and the tested version range; a test asserts each
   still exists in the installed TensorFlow / Keras, and ``import tfdp`` logs one warning under
@@ -24,13 +25,14 @@ as an attribute (``tfp.MirroredExtended``, ``tfp.wrap``, ...), loaded when first
 import importlib
 
 _SUBMODULES = ("tfdp.compat.tf_internals", "tfdp.compat.keras_internals",
-               "tfdp.compat.iterator_internals")
+               "tfdp.compat.iterator_internals", "tfdp.compat.iterator_release")
 
 
 _checked = False
 
 
-_OWN_MODULES = ("names", "versions", "tf_internals", "keras_internals", "iterator_internals")
+_OWN_MODULES = ("names", "versions", "tf_internals", "keras_internals", "iterator_internals",
+                "iterator_release")
 
 
 def __getattr__(name):

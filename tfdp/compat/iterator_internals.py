@@ -40,8 +40,6 @@ pipeline's graph rewrite) ~3-4 ms.
 from __future__ import annotations
 
 import contextlib
-import queue
-import sys
 import threading
 
 import tensorflow as tf
@@ -60,6 +58,7 @@ from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
 
 from tfdp import logs as _logs
+from tfdp.compat.iterator_release import release_in_background, start_releaser
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -293,65 +292,6 @@ class CachedMultiDeviceIterator(_mdi_ops.OwnedMultiDeviceIterator):
 _first_made = False  # whether this process made a per-device iterator yet
 _first_lock = threading.Lock()
 
-_releases = queue.SimpleQueue()
-_releaser = None
-_releaser_lock = threading.Lock()
-_exiting = False
-_left_at_exit = []  # what was still queued at exit: destroyed with the interpreter's objects
-_EXIT_WAIT_S = 10.0
-
-
-def _release_loop():
-    while True:
-        item = _releases.get()
-        if _exiting:
-            _left_at_exit.append(item)
-            return
-        del item  # the C++ destructors run here (TF releases the GIL while they wait)
-
-
-def _at_exit():
-    # No C++ destructor may still run in the release thread while the interpreter finalizes:
-    # let it finish the one in progress (bounded), and destroy nothing more there.
-    global _exiting
-    _exiting = True
-    _releases.put(None)
-    if _releaser is not None:
-        _releaser.join(_EXIT_WAIT_S)
-
-
-def start_releaser() -> None:
-    """Start tfdp's one background release thread, once (from ordinary code, never from a
-    finalizer: this takes a lock)."""
-    global _releaser
-    if _releaser is not None or _exiting or sys.is_finalizing():
-        # (no thread starts once the interpreter exits: Thread.start() would wait forever)
-        return
-    with _releaser_lock:
-        if _releaser is None:
-            import atexit
-            thread = threading.Thread(target=_release_loop, name="tfdp-iterator-release",
-                                      daemon=True)
-            thread.start()
-            _releaser = thread
-            atexit.register(_at_exit)
-
-
-def release_in_background(resources) -> None:
-    """Drop ``resources`` (tensors, iterators) in the release thread (:func:`start_releaser`).
-
-    Lock-free: it runs in ``__del__``, which the garbage collector calls at any allocation in
-    any thread, also one holding a lock of this module (a trace under ``_lock`` collected an
-    iterator, whose release waited on ``_lock``: the thread hung for good). ``SimpleQueue.put``
-    is safe there (reentrant)."""
-    if _exiting or sys.is_finalizing():
-        _left_at_exit.append(resources)
-        return
-    if _releaser is None:  # (never started: dropped here, as TF's iterators drop theirs)
-        return
-    _releases.put(resources)
-
-
 _INTS_ON_DEVICE = {"experimental_ints_on_device": True}
 
 
@@ -509,5 +449,4 @@ def _create_cached(worker_iterator, release_in_background, lazy):
 
 
 __all__ = ["CachedMultiDeviceIterator", "cached_multi_device_iterators",
-           "distributed_dataset_sources", "is_multi_device_dataset", "op_is_stateful",
-           "release_in_background"]
+           "distributed_dataset_sources", "is_multi_device_dataset", "op_is_stateful"]
