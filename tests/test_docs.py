@@ -6,8 +6,10 @@ browser, and every code block on it runs as written.
   fails the build (mkdocs.yml's ``validation``).
 * A real headless browser (Debian's ``chromium``) opens the home page and the API page, served by
   ``python -m http.server`` on 127.0.0.1: their navigation and content must be in the rendered
-  DOM, and a screenshot must have been drawn. Without chromium the test is skipped with the
-  reason, except under CI (``CI`` set), where .ci/run installs it and a missing browser fails.
+  DOM, and a screenshot must have been drawn. Site search is typed into, key by key, over the
+  DevTools protocol (tests/browser.py), and must list the pages that hold the query. Without
+  chromium these tests are skipped with the reason, except under CI (``CI`` set), where .ci/run
+  installs it and a missing browser fails.
 * Code blocks of every page (and the README's non-shell blocks: the two-line change):
   ``python`` blocks run as scripts, ``diff`` blocks as the script after the change, each in a
   fresh process in a temporary directory on 2 CPU replicas (``TFDP_CPU_REPLICAS=2``); shell
@@ -25,6 +27,7 @@ browser, and every code block on it runs as written.
   the commands of tfdp_bench/cli.py).
 """
 
+import contextlib
 import glob
 import http.client
 import os
@@ -245,10 +248,9 @@ def _chromium(browser, profile, *args):
     return p.stdout
 
 
-@pytest.mark.timeout(240)
-def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(run_process, site,
-                                                                            tmp_path):
-    browser = _browser()
+@contextlib.contextmanager
+def _served(site):
+    """The built site served by ``python -m http.server`` on 127.0.0.1: its base URL."""
     import portpicker
     port = portpicker.pick_unused_port()
     server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
@@ -257,7 +259,21 @@ def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(run_p
                               stdin=subprocess.DEVNULL)
     try:
         _wait_http(port, time.monotonic() + 30)
-        base = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+
+
+@pytest.mark.timeout(240)
+def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(run_process, site,
+                                                                            tmp_path):
+    browser = _browser()
+    with _served(site) as base:
         nav = ("User guide", "API reference", "Correctness record", "Benchmarks",
                "Troubleshooting", "Install and versions")
         pages = {
@@ -282,13 +298,29 @@ def test_home_and_api_pages_render_with_their_navigation_in_a_real_browser(run_p
             keep = os.environ.get("TFDP_DOCS_SCREENSHOTS")   # a folder to look at them in
             if keep:
                 shutil.copy(shot, os.path.join(keep, f"{name}.png"))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
+
+
+@pytest.mark.timeout(240)
+def test_site_search_finds_what_a_user_types_in_a_real_browser(run_process, site, tmp_path):
+    """A user types ``zero_stage`` into the search box of the home page (real input events, in
+    headless Chromium over the DevTools protocol: tests/browser.py) and Material's search worker
+    lists the pages that hold it: the sharded-optimizer guide and the API reference."""
+    from browser import Browser
+    with _served(site) as base, Browser(_browser(), tmp_path / "profile") as b:
+        b.open(base + "/")
+        b.type_into(".md-search__input", "zero_stage")
+        found = b.wait_for("document.querySelectorAll('.md-search-result__item').length")
+        meta = b.evaluate("(document.querySelector('.md-search-result__meta') || {}).textContent")
+        assert found, f"no search result for 'zero_stage' (the result line reads {meta!r})"
+        links = b.evaluate("[...document.querySelectorAll('.md-search-result__item a')]"
+                           ".map(a => a.getAttribute('href'))")
+        assert re.search(r"\d+ matching documents?", meta or ""), meta
+        for page in ("guide/sharded-optimizer/", "reference/"):
+            assert any(page in link for link in links), (page, links)
+        b.type_into(".md-search__input", "qqxqqxnothing")
+        meta = "(document.querySelector('.md-search-result__meta') || {}).textContent"
+        assert b.wait_for(f"/^No matching/.test({meta})", timeout=20), \
+            f"a query that matches nothing: {b.evaluate(meta)!r}"
 
 
 # --- what the docs state twice stays equal ---------------------------------------------------
