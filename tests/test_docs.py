@@ -21,6 +21,9 @@ browser, and every code block on it runs as written.
   file they quote (``# path (excerpt)``) and match it. A command the README also shows runs once,
   in tests/test_readme.py. A block after ``<!-- docs-test: skip (reason) -->`` is not run. The
   runs are ``slow`` and, by their ``run_process`` fixture, ``e2e``.
+* A time stated in a page's prose has the command that measured it in its section (or in the
+  page's preamble, for a page of one command's results); the user-pattern tables name the
+  ``tfdp bench patterns`` command that gives exactly their rows.
 * Figures and tables stated in two places stay equal: the supported-versions table (README and
   docs/install.md, both checked against setup.py and .ci/run), the suite's duration (README and
   docs/development.md), and the ``tfdp bench`` commands (docs/reference/cli.md lists exactly
@@ -370,6 +373,60 @@ def test_suite_duration_is_stated_once_and_the_same_in_readme_and_docs():
     assert readme, "README.md states the suite's duration by its test command"
     docs = _suite_duration(_read(os.path.join(DOCS, "development.md")))
     assert docs == readme, (readme, docs)
+
+
+# A stated time: "137 s", "19.5 minutes", "8.5 ms"; not inside code, not "5-second" (an adjective).
+_TIME = re.compile(r"(?<![\w.-])\d+(?:[.,]\d+)?\s?(?:ms|s|min|minutes?|seconds?|hours?|h)\b(?![-\w])")
+# A command that measures: an inline code span or a shell block that starts with one of these.
+_MEASURING = r"(?:tfdp |pytest|python |\.ci/run|pip |srun |sbatch |mkdocs |time |TFDP_\w+=|CI=)"
+_COMMAND = re.compile(rf"`{_MEASURING}[^`]*`|```(?:{'|'.join(SHELL)})\n")
+
+
+def _sections(text):
+    """(heading, text) of a page's sections; the first is the preamble (heading None)."""
+    out, heading, lines, fence = [], None, [], False
+    for line in text.splitlines():
+        fence ^= line.startswith("```")
+        if not fence and re.match(r"#{1,6} ", line):
+            out.append((heading, "\n".join(lines)))
+            heading, lines = line, []
+        else:
+            lines.append(line)
+    out.append((heading, "\n".join(lines)))
+    return out
+
+
+def test_no_page_states_a_time_without_the_command_that_measured_it():
+    """A time stated in a page's prose (a table's cell included; code blocks and spans are the
+    commands and their output) has its command nearby: in the same section, or in the page's
+    preamble when the whole page is one command's results (docs/benchmarks/embedding.md)."""
+    missing = []
+    for name, path in [(p, os.path.join(DOCS, p)) for p in _pages()] + [("README.md", README)]:
+        sections = _sections(_read(path))
+        top = [b for h, b in sections[:2] if h is None or h.startswith("# ")]  # before any ##
+        preamble = any(_COMMAND.search(b) for b in top)
+        for heading, body in sections:
+            prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", body, flags=re.S))
+            times = _TIME.findall(prose)
+            if times and not (_COMMAND.search(body) or preamble):
+                missing.append(f"{name} {heading or '(preamble)'}: {', '.join(times[:4])}")
+    assert not missing, ("times stated without the command that measured them (name it: "
+                         "`tfdp bench ...`, `pytest ...`, `python ...`):\n" + "\n".join(missing))
+
+
+@pytest.mark.parametrize("page", ["patterns.md", "patterns_losses.md"])
+def test_pattern_tables_name_the_command_that_gives_exactly_their_rows(page):
+    """``tfdp bench patterns`` prints its command under its table (tfdp_bench/patterns.py); the
+    pages that show a table show that command, and it selects the table's rows."""
+    from tfdp_bench.patterns import command_line, parse_args
+    text = _read(os.path.join(DOCS, "benchmarks", page))
+    command = re.search(r"^Command: `(tfdp bench patterns[^`]*)`$", text, re.M)
+    assert command, f"benchmarks/{page} does not name its tfdp bench patterns command"
+    args = parse_args(shlex.split(command.group(1))[3:])
+    rows = [r for r in re.findall(r"^\| (\w+)(?: \(per-replica semantics\))? \|", text, re.M)
+            if r != "row"]
+    assert args.rows == rows, (args.rows, rows)
+    assert command_line(args) == command.group(1)
 
 
 def test_cli_page_lists_every_bench_command():

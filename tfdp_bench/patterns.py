@@ -129,6 +129,8 @@ def format_patterns(result: dict) -> str:
                      f"{_cell_identical(dp)} | {'yes' if ok else '**no**'} |")
     lines += ["", f"tfdp exact on {n_ok}/{len(result['rows'])} rows "
                   f"({result['seconds']:.0f} s)."]
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines)
 
 
@@ -183,6 +185,19 @@ def parse_args(argv):
     return args
 
 
+def command_line(args) -> str:
+    """The ``tfdp bench patterns`` command that gives this table (the page that shows the table
+    shows it, with the time it took)."""
+    words = ["tfdp", "bench", "patterns"]
+    if args.rows != [r.name for r in ROWS]:
+        words += ["--rows", ",".join(args.rows)]
+    if args.cpu_replicas != 4:
+        words += ["--cpu-replicas", str(args.cpu_replicas)]
+    if args.zero_stage:
+        words += ["--zero-stage", str(args.zero_stage)]
+    return " ".join(words)
+
+
 def run(args) -> int:
     from tfdp_bench import _common
     from tfdp_bench.parser import write_json
@@ -194,6 +209,7 @@ def run(args) -> int:
     devices = _common.configure_replicas(args.cpu_replicas)  # before the TF runtime starts
     result = run_patterns([ROWS_BY_NAME[n] for n in args.rows], devices, progress=not args.quiet,
                           zero_stage=args.zero_stage)
+    result["command"] = command_line(args)
     print(format_patterns(result), flush=True)
     if args.json:
         write_json(args.json, result)
