@@ -88,7 +88,7 @@ def run(strategy, kind, callbacks=(), model_seed=1, global_seed=SEED):
     from helpers import build
     # Models of earlier runs that died in an exception must be gone before this one's step is
     # traced: tfdp's padded step reads every live metric variable of the strategy (see the
-    # report on tfdp/strategy/extended.py _read_on_read_state), and a function that captured a
+    # report on tfdp/strategy/empty_replicas.py read_on_read_state), and a function that captured a
     # variable deleted later cannot be called.
     gc.collect()
     m = build(strategy, "adam", seed=model_seed)

@@ -8,8 +8,8 @@ strategy alike:
   tfdp's reducer, or replica-context collectives inside Keras's accumulation branch.
 * ``_call_for_each_replica``: each ``strategy.run`` gets a ``StepContext`` with every
   replica's share of the global batch (``n_r / sum(n)``), empty replicas padded with one example
-  of share 0, and after a training step the BatchNorm statistics averaged (mirrored stays
-  mirrored).
+  of share 0 (``empty_replicas``), and after a training step the BatchNorm statistics averaged
+  (mirrored stays mirrored).
 * XLA: which steps can be compiled whole (GPUs, one replica) and the one error for the others.
 * Input: datasets are wrapped so tfdp never writes into the user's numpy arrays.
 """
@@ -25,6 +25,7 @@ from tfdp import devices as devices_lib
 from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
 from tfdp.reduce.options import ReduceOptions
+from tfdp.strategy import empty_replicas
 from tfdp.strategy.setup_order import step_model
 
 
@@ -125,104 +126,23 @@ class DataParallelExtendedBase:
         shares = self._replica_shares(args) if replicas > 1 else None
         step = gradient_path.StepContext(shares)
         own = _model_variable_ids(fn) if replicas > 1 else None  # (None: every variable)
-        if shares is not None and not tf.executing_eagerly():
-            args, step.padded = self._pad_empty_replicas(args, step.live)
+        if shares is not None and not tf.executing_eagerly():  # (see empty_replicas.py)
+            padding = empty_replicas.Padding(step.live, self.worker_devices)
+            args, step.padded = padding.pad(args)
             if step.padded:
-                saved = self._read_on_read_state(own)
+                saved = empty_replicas.read_on_read_state(self._tfdp_on_read_vars, own)
                 step.on_read_before = {id(v): vals for v, vals in saved}
         with gradient_path.running(self, step):
             result = self._run_replicas(fn, args, kwargs)
         if step.padded:
-            self._restore_on_read_state(saved, step.live)
-            result = tf.nest.map_structure(lambda v: self._trim_padded(v, step.live), result)
+            empty_replicas.restore_on_read_state(saved, step.live)
+            result = padding.trim(result)
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas, own)
         if step.optimizers and self.tfdp_settings.zero_stage:
             self.tfdp_zero.show_effect_once()   # sharded state: its effect, once, at the first
         return result                           # training step (the optimizers have built)
-
-    # --- empty replicas: one real example, share 0, nothing counted ---------------------------
-    #
-    # A global batch smaller than the replica count leaves replicas with empty batches, and TF's
-    # oneDNN kernels (the CPU default) cannot take those: graph-mode MaxPoolGrad aborts the
-    # process (tensor.cc Check failed), Conv2D returns a wrong shape (ReluGrad / BiasAdd shape
-    # errors), with or without a strategy. So in a step whose batch size is not static an empty
-    # replica gets one example (a real one from a replica that has some, else zeros), selected
-    # by a tf.cond only when it is empty; its share stays 0, so its loss and gradients are
-    # exactly zero; its replica-context all-reduce inputs (SyncBatchNorm's sums and counts) are
-    # zeroed; its metric updates (ON_READ variables: Keras metrics and loss trackers) are undone;
-    # and its per-example outputs (predict) are cut back to 0 rows.
-
-    def _components(self, leaf, dynamic_only=True):
-        """The local replicas' tensors of a batched value (rank >= 1; with ``dynamic_only``, of
-        unknown batch size), else None. With one device per process values are plain tensors."""
-        if tfp.is_distributed_values(leaf):
-            comps = list(leaf.values)
-        elif isinstance(leaf, tf.Tensor) and len(self.worker_devices) == 1:
-            comps = [leaf]
-        else:
-            return None
-        if len(comps) != len(self.worker_devices) or not all(
-                isinstance(c, tf.Tensor) and c.shape.rank
-                and (c.shape[0] is None or not dynamic_only) for c in comps):
-            return None
-        return comps
-
-    def _regroup(self, leaf, comps):
-        return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
-
-    def _per_replica_select(self, leaf, live, if_empty):
-        """``leaf`` with replica r's component replaced by ``if_empty(c)`` where it is empty
-        (a tf.cond per replica; None when ``leaf`` is not a dynamic-size batch)."""
-        comps = self._components(leaf)
-        if comps is None:
-            return None
-        out = []
-        for c, ok, d in zip(comps, live, self.worker_devices):
-            with tf.device(d):
-                out.append(tf.cond(ok, lambda c=c: tf.identity(c), lambda c=c: if_empty(c, comps)))
-        return self._regroup(leaf, out)
-
-    def _pad_empty_replicas(self, args, live):
-        """``args`` with empty replicas given one example, and whether any input could be."""
-        padded = []
-
-        def donor(c, comps):  # one real example from a replica that has some, else zeros
-            rows = [x[:1] for x in comps] + [tf.zeros(tf.concat([[1], tf.shape(c)[1:]], 0),
-                                                      c.dtype)]
-            return tf.concat(rows, 0)[:1]
-
-        def pad(leaf):
-            out = self._per_replica_select(leaf, live, donor)
-            if out is None:
-                return leaf
-            padded.append(leaf)
-            return out
-
-        return tf.nest.map_structure(pad, args), bool(padded)
-
-    def _read_on_read_state(self, only=None):
-        saved = []
-        for ref in self._tfdp_on_read_vars:
-            v = ref()
-            if v is not None and (only is None or id(v) in only):
-                vals = []
-                for c in v.values:
-                    with tf.device(c.device):
-                        vals.append(c.read_value())
-                saved.append((v, vals))
-        return saved
-
-    def _restore_on_read_state(self, saved, live):
-        for v, vals in saved:
-            for c, old, ok in zip(v.values, vals, live):
-                with tf.device(c.device):
-                    c.assign(tf.where(ok, c.read_value(), old))
-
-    def _trim_padded(self, leaf, live):
-        out = self._per_replica_select(leaf, live, lambda c, _: c[:0])
-        return leaf if out is None else out
 
     def whole_step_xla_possible(self) -> bool:
         """Whether XLA can compile a whole step with its collectives: one replica, or GPUs."""
@@ -267,7 +187,7 @@ class DataParallelExtendedBase:
         """n_r / sum(n): replica r's share of the global batch (its first batched input; the
         sum over every replica of the job, ``_total_examples``)."""
         for leaf in tf.nest.flatten(args):
-            comps = self._components(leaf, dynamic_only=False)
+            comps = empty_replicas.components(leaf, self.worker_devices, dynamic_only=False)
             if comps is None:
                 continue
             sizes = []
