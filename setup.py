@@ -65,7 +65,7 @@ setup(
         "examples": ["scikit-learn", "tensorflow-datasets"],
         "bench": ["matplotlib"],
         # Ray Train integration (tfdp.ray, tests/test_ray.py); tested with Ray 2.60.
-        "ray": ["ray[train]>=2.60"],
+        "ray": ["ray[default,train]>=2.60"],
     },
     entry_points={"console_scripts": ["tfdp=tfdp.cli:main"],
                   # commands of other packages for the tfdp command line (tfdp/cli.py)

@@ -20,12 +20,20 @@ import os
 import tempfile
 
 import numpy as np
-import ray
-import ray.train
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.tensorflow import TensorflowTrainer
 
+import tfdp.logs
 import tfdp.ray
+
+# The driver imports TensorFlow too (ray.train.tensorflow, below): as quiet as the workers
+# (TensorFlow's load-time lines filtered by the level, as tfdp launch does; errors still show).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tfdp.logs.filter_tensorflow_import()
+
+import ray  # noqa: E402  (after the filter: ray.train.tensorflow imports TensorFlow)
+import ray.train  # noqa: E402
+from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,  # noqa: E402
+                       ScalingConfig)
+from ray.train.tensorflow import TensorflowTrainer  # noqa: E402
 
 
 def train_loop_per_worker(config):
@@ -78,11 +86,16 @@ def main():
     p.add_argument("--storage", default=None, help="Ray's storage_path (checkpoints)")
     args = p.parse_args()
 
+    # every process of the job: TensorFlow as quiet as under tfdp launch (errors still show)
+    runtime_env = tfdp.ray.runtime_env()
     if args.address:
-        ray.init(address=args.address)
+        ray.init(address=args.address, runtime_env=runtime_env)
     else:  # a local cluster with enough (logical) CPUs for every worker's reservation
+        # one host: no node to preempt, so no preemption watcher
+        runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
         ray.init(num_cpus=max(os.cpu_count() or 1, args.workers * args.cpu_replicas + 1),
-                 include_dashboard=False)
+                 runtime_env=runtime_env)
+    ray.data.DataContext.get_current().enable_progress_bars = False   # one line per epoch
     trainer = TensorflowTrainer(
         train_loop_per_worker,
         train_loop_config={"cpu_replicas": args.cpu_replicas, "epochs": args.epochs,
@@ -94,7 +107,9 @@ def main():
         run_config=RunConfig(name="tfdp_ray_example",
                              storage_path=args.storage or tempfile.mkdtemp(prefix="tfdp-ray-"),
                              failure_config=FailureConfig(max_failures=1),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             # Ray Train's warnings and errors, not a line per report
+                             logging_config=LoggingConfig(log_level="WARNING")))
     result = trainer.fit()
     print(f"done: last checkpoint {result.checkpoint}")
     ray.shutdown()

@@ -80,3 +80,27 @@ def test_a_user_script_prints_no_generator_dataset_lines(run_process):
     assert "Memory patch applied" not in p.stderr, p.stderr[-3000:]
     assert "GeneratorDatasetOp::Dataset will not be optimized" not in p.stderr, p.stderr[-3000:]
     assert "tfdp: DataParallelStrategy: 2 replicas" in p.stderr, p.stderr[-3000:]
+
+
+IMPORT_LATER = """
+import sys, tfdp.logs
+assert tfdp.logs.filter_tensorflow_import() and "tensorflow" not in sys.modules
+import tensorflow as tf                       # someone else's import (Ray's, a user's)
+assert tf.__spec__.loader.get_resource_reader  # the real loader's methods are still there
+print(int(tf.constant(2) + 1), [f for f in sys.meta_path if "Filtered" in type(f).__name__])
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("level", ["2", "0"])
+def test_a_later_import_of_tensorflow_is_filtered_by_the_level(run_process, level):
+    """``filter_tensorflow_import`` (what tfdp.ray sets up in every Ray process): TensorFlow's
+    load-time lines are gone from the import that comes later, at level 2; at level 0 they stay
+    (the user's choice), and the finder leaves sys.meta_path after the import either way."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=level, CUDA_VISIBLE_DEVICES="")
+    p = run_process([sys.executable, "-c", textwrap.dedent(IMPORT_LATER)], cwd=ROOT,
+                    capture_output=True, text=True, timeout=150, env=env,
+                    stdin=subprocess.DEVNULL)
+    assert p.returncode == 0 and p.stdout.strip() == "3 []", p.stdout + p.stderr[-3000:]
+    shown = "All log messages before absl::InitializeLog()" in p.stderr
+    assert shown == (level == "0"), p.stderr[-3000:]

@@ -18,9 +18,12 @@ The cluster is started once for the module and always shut down.
 
 import importlib.util
 import json
+import logging
 import os
 import random
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,6 +40,40 @@ TOL = 1e-5
 WORKERS, REPLICAS = 2, 2          # 2 workers x 2 CPU replicas = 4 replicas in sync
 N, BATCH, EPOCHS = 102, 24, 6     # 5 steps an epoch, the last 6 over 4 replicas: 2, 2, 1, 1
 N_STEPS = 30
+
+
+# --- the example, as a user runs it ------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LINES = 20
+# what an error looks like in any process's output: absl's E/F lines, Python's, Ray's
+ERROR_LINE = re.compile(r"(^|\) )[EF]\d{4} |\] [EF]\d{4}| E \d+ \d+\] |Traceback|Error\b|ERROR|"
+                        r"Failed")
+
+
+@needs_ray
+@pytest.mark.timeout(400)
+def test_the_example_runs_quietly_as_written(run_process):
+    """``python examples/ray_train.py``, its own local Ray cluster (before this module's): it
+    trains and prints its result in at most 20 lines in all, none of them an error (340 before,
+    15 after: TensorFlow's lines in every process, Ray Data's progress bars, a warning a second
+    from Ray Train's placement-group cleaner without the State API, a core_worker error). Ray
+    binds loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as in this module's cluster)."""
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", CUDA_VISIBLE_DEVICES="")
+    for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_CONFIG", "RAY_ADDRESS", "TFDP_CPU_REPLICAS"):
+        env.pop(name, None)                  # a user's shell
+    t0 = time.monotonic()
+    p = run_process([sys.executable, os.path.join(ROOT, "examples", "ray_train.py")],
+                    cwd=str(ROOT), capture_output=True, text=True, timeout=360, env=env,
+                    stdin=subprocess.DEVNULL)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    print(f"examples/ray_train.py: rc {p.returncode}, {len(lines)} lines "
+          f"({len(p.stdout.splitlines())} stdout), {time.monotonic() - t0:.0f} s")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "worker 0 of 2: 4 replicas, loss" in p.stdout and "done: last checkpoint" in p.stdout
+    errors = [ln for ln in lines if ERROR_LINE.search(ln)]
+    assert not errors, "\n".join(errors)
+    assert len(lines) <= MAX_LINES, "\n".join(lines)
 
 
 # --- the cluster ---------------------------------------------------------------------------------
@@ -426,14 +463,45 @@ def test_dead_worker_without_restarts_ends_the_run_promptly_and_named(run_proces
 # --- without a cluster ---------------------------------------------------------------------------
 
 def test_import_tfdp_ray_imports_neither_ray_nor_tensorflow(run_process):
-    import subprocess
     code = ("import sys, tfdp, tfdp.ray\n"
             "assert 'ray' not in sys.modules and 'tensorflow' not in sys.modules, "
             "sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'tensorflow'))[:5]\n"
             "assert sorted(tfdp.ray.__all__) == "
-            "['BackupAndRestore', 'data_config', 'distribute']\n")
+            "['BackupAndRestore', 'data_config', 'distribute', 'runtime_env']\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_runtime_env_adds_quiet_tensorflow_and_keeps_the_users_choices(monkeypatch):
+    import tfdp.ray
+    from tfdp.errors import TfdpError
+    from tfdp.ray.quiet import HOOK
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    assert tfdp.ray.runtime_env() == {"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2"},
+                                      "worker_process_setup_hook": HOOK}
+    mine = {"env_vars": {"A": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}, "pip": ["x"]}
+    assert tfdp.ray.runtime_env(mine) == {"env_vars": {"A": "1", "TF_CPP_MIN_LOG_LEVEL": "0"},
+                                          "pip": ["x"], "worker_process_setup_hook": HOOK}
+    assert mine == {"env_vars": {"A": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}, "pip": ["x"]}
+    assert tfdp.ray.runtime_env(verbose=True) == {"worker_process_setup_hook": HOOK}
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")      # the driver's level goes to the workers
+    assert tfdp.ray.runtime_env()["env_vars"] == {"TF_CPP_MIN_LOG_LEVEL": "1"}
+    with pytest.raises(TfdpError, match="already has a worker_process_setup_hook.*setup_worker"):
+        tfdp.ray.runtime_env({"worker_process_setup_hook": "mine.hook"})
+    with pytest.raises(TfdpError, match="Invalid runtime_env.*as a dict"):
+        tfdp.ray.runtime_env(["env_vars"])
+
+
+def test_setup_worker_quiets_tensorflows_python_info_at_the_quiet_level(run_process):
+    code = ("import logging, sys, tfdp.ray.quiet as q\n"
+            "q.setup_worker()\n"
+            "import tensorflow as tf\n"
+            "print(logging.getLogger('tensorflow').level)\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and r.stdout.strip() == str(logging.WARNING), r.stderr[-2000:]
+    assert "absl::InitializeLog" not in r.stderr, r.stderr[-2000:]
 
 
 def test_without_ray_the_error_says_how_to_install(monkeypatch):

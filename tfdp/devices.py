@@ -81,7 +81,7 @@ def configure_cpu_replicas(n: int) -> list[str]:
                     "into %d logical devices (an explicit call wins over the environment)",
                     n, CPU_REPLICAS_ENV, env_n, n)
     else:
-        log.info("tfdp: host CPU split into %d logical devices", n)
+        log.debug("tfdp: host CPU split into %d logical devices", n)
     return names
 
 
@@ -135,7 +135,7 @@ def _split_cpu_now(n: int) -> bool:
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
     except Exception:  # pylint: disable=broad-except  (runtime started, odd build: see strategy)
         return False
-    log.info("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
+    log.debug("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
     return True
 
 
@@ -257,7 +257,7 @@ def apply_cpu_replicas_env() -> int | None:
         if current is None or len(current) != n:
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
-            log.info("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
+            log.debug("tfdp: host CPU split into %d logical devices (%s)", n, CPU_REPLICAS_ENV)
         return n
     have = len(tf.config.list_logical_devices("CPU"))
     if have == n:

@@ -30,6 +30,8 @@ C++ logs go) captured while a block runs, then every line the filter keeps writt
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import os
 import re
 import sys
@@ -97,21 +99,81 @@ def _hidden(line: bytes, level: int) -> bool:
     return {b"I": level >= 1, b"W": level >= 2, b"E": level >= 3, b"F": False}[m.group(1)]
 
 
+def level_in_effect(environ=None) -> int:
+    """``TF_CPP_MIN_LOG_LEVEL`` as a number (unset or not a number: 0)."""
+    environ = os.environ if environ is None else environ
+    try:
+        return int(environ.get(LEVEL_ENV, "0").strip() or 0)
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def _lines_hidden_by_level(environ=None) -> Iterator[None]:
+    level = level_in_effect(environ)
+    if level <= 0:
+        yield
+        return
+    with filtered_stderr(lambda line: not _hidden(line, level)):
+        yield
+
+
 @contextlib.contextmanager
 def load_lines_filtered(environ=None) -> Iterator[None]:
     """While the block runs (TensorFlow being imported), hide the absl INFO/WARNING lines the log
     level in effect hides (nothing is filtered at level 0 or when TensorFlow was already
     imported)."""
-    environ = os.environ if environ is None else environ
-    try:
-        level = int(environ.get(LEVEL_ENV, "0").strip() or 0)
-    except ValueError:
-        level = 0
-    if level <= 0 or "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
         yield
         return
-    with filtered_stderr(lambda line: not _hidden(line, level)):
+    with _lines_hidden_by_level(environ):
         yield
+
+
+class _FilteringLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, its ``exec_module`` run with the load-time lines filtered."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        with _lines_hidden_by_level():
+            self._loader.exec_module(module)
+
+    def __getattr__(self, name):          # get_resource_reader, get_source, ...
+        return getattr(self._loader, name)
+
+
+class _FilteredTensorFlowImport(importlib.abc.MetaPathFinder):
+    """Finds ``tensorflow`` once, as the path would, and wraps its loader (then leaves)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow":
+            return None
+        _remove_finder()
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _FilteringLoader(spec.loader)
+        return spec
+
+
+def _remove_finder():
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _FilteredTensorFlowImport)]
+
+
+def filter_tensorflow_import() -> bool:
+    """Filter TensorFlow's load-time lines (as :func:`import_tensorflow` does) whenever this
+    process imports it, for processes where someone else's code imports it (Ray's workers:
+    ``tfdp.ray.runtime_env``). The level is read at that import; level 0 or unset filters
+    nothing. False when TensorFlow is already imported (too late to filter)."""
+    if "tensorflow" in sys.modules:
+        return False
+    _remove_finder()
+    sys.meta_path.insert(0, _FilteredTensorFlowImport())
+    return True
 
 
 def import_tensorflow(environ=None) -> None:

@@ -90,6 +90,7 @@ def fit(callback, model, make_dataset, epochs, steps_per_epoch, callbacks=(),
         if step >= steps_per_epoch:
             epoch, step = epoch + 1, 0
         fit_kwargs.setdefault("verbose", 0)
+        fit_kwargs.setdefault("shuffle", False)   # the input's order is the position; Keras warns
         while epoch < epochs:
             callback._offset = step
             if callback._synced:

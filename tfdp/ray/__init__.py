@@ -16,6 +16,10 @@ the two Ray-specific parts:
   ``ray.train.get_checkpoint()`` when Ray restarts the workers
   (``FailureConfig(max_failures=...)``): the finished run equals an uninterrupted one.
 
+* :func:`runtime_env`: ``ray.init(runtime_env=tfdp.ray.runtime_env())`` makes every process of
+  the job as quiet about TensorFlow as ``tfdp launch``'s workers (its C++ INFO/WARNING and
+  load-time lines, its Python INFO lines; errors stay).
+
 CPU replicas per worker: ``resources_per_worker={"CPU": K}`` only reserves CPUs in Ray's
 scheduler; make the replicas with ``tfdp.configure_cpu_replicas(K)`` as the first line of
 ``train_loop_per_worker`` (or ``TFDP_CPU_REPLICAS=K`` in the workers' environment, e.g.
@@ -29,10 +33,10 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["BackupAndRestore", "data_config", "distribute"]
+__all__ = ["BackupAndRestore", "data_config", "distribute", "runtime_env"]
 
 _LAZY = {"BackupAndRestore": "tfdp.ray.checkpoint", "data_config": "tfdp.ray.data",
-         "distribute": "tfdp.ray.data"}
+         "distribute": "tfdp.ray.data", "runtime_env": "tfdp.ray.quiet"}
 
 
 def __getattr__(name):

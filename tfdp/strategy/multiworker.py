@@ -342,14 +342,14 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
         extended = self.extended
         _check_local_devices(extended.worker_devices, devices)
         self._check_same_replica_count()
-        log.info("tfdp: worker %d of %d, %d replica(s) each %s; all_reduce=%r -> %r (%s), "
-                 "across workers %s; bucket_bytes=%d; compression=%s%s", self._cluster.rank,
-                 self._cluster.num_workers, len(extended.worker_devices),
-                 [devices_lib.short_name(d) for d in extended.worker_devices],
-                 extended.tfdp_settings.all_reduce, extended.tfdp_choice.algorithm,
-                 extended.tfdp_choice.reason, extended.tfdp_reduce.cross_worker.hint,
-                 extended.tfdp_reduce.bucket_bytes, extended.tfdp_reduce.compression,
-                 " (collective runtime started late)" if extended.tfdp_late_start else "")
+        log.debug("tfdp: worker %d of %d, %d replica(s) each %s; all_reduce=%r -> %r (%s), "
+                  "across workers %s; bucket_bytes=%d; compression=%s%s", self._cluster.rank,
+                  self._cluster.num_workers, len(extended.worker_devices),
+                  [devices_lib.short_name(d) for d in extended.worker_devices],
+                  extended.tfdp_settings.all_reduce, extended.tfdp_choice.algorithm,
+                  extended.tfdp_choice.reason, extended.tfdp_reduce.cross_worker.hint,
+                  extended.tfdp_reduce.bucket_bytes, extended.tfdp_reduce.compression,
+                  " (collective runtime started late)" if extended.tfdp_late_start else "")
         announce(self)
         from tfdp.callbacks import (
             shared_files,  # Keras's own callbacks: only the chief writes
