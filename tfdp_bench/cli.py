@@ -65,6 +65,9 @@ COMMANDS = {
             "images/s, zero_stage 0/1/2 images/s and memory per GPU, all-reduce GB/s); one\n"
             "line and exit 0 without a GPU; --cpu-dry-run"),
     "zero": ("tfdp_bench.zero", "zero_stage vs unsharded: optimizer bytes/device, memory, speed"),
+    "syncbn": ("tfdp_bench.syncbn",
+               "what BatchNormalization(synchronized=True) costs: ResNet-50 fit, plain vs\n"
+               "synchronized batch statistics, under tfdp and under MirroredStrategy"),
 }
 
 USAGE = ("usage: tfdp bench {" + ",".join(COMMANDS) + "} [options]   "
@@ -79,6 +82,7 @@ EXAMPLES = """examples:
   tfdp bench fit --trace /tmp/fit-trace
   tfdp bench fitcalls --calls 1,5,20 --rounds 3
   tfdp bench patterns --rows clipnorm_uneven,two_optimizers
+  tfdp bench syncbn --cpu-replicas 4
   tfdp bench gpu"""
 
 
