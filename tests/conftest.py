@@ -101,6 +101,10 @@ SHARED_SETUP = (
      "pattern-reference-two_optimizers"),
     (r"tests/test_zero\.py::test_pattern_rows_sharded\[(\w+)-stage\d\]",
      "pattern-reference-{0}"),
+    # one local Ray cluster at a time: the example starts its own, then the module's starts (two
+    # at once leave Ray's processes that connect by auto-detection unable to choose: CI failed on
+    # 'Found multiple active Ray instances')
+    (r"tests/test_ray\.py::", "test_ray-cluster"),
 )
 #: The module-scoped fixtures SHARED_SETUP groups by: a test using one that no pattern matches is
 #: a collection error (so a renamed or new test cannot silently compute it again in each worker).
@@ -109,7 +113,8 @@ SHARED_FIXTURES = {
     "tests/test_input_kinds.py": "reference",         # the one-device fit
     "tests/test_monitor.py": "trained",               # a trained model
     "tests/test_zero_checkpoint.py": "saved",         # checkpoints of a sharded run (and the
-}                                                     # uninterrupted run, with it)
+    "tests/test_ray.py": "ray_cluster",               # uninterrupted run, with it); the local
+}                                                     # Ray cluster
 
 
 def shared_setup_group(nodeid):
