@@ -105,6 +105,7 @@ SHARED_SETUP = (
     # at once leave Ray's processes that connect by auto-detection unable to choose: CI failed on
     # 'Found multiple active Ray instances')
     (r"tests/test_ray\.py::", "test_ray-cluster"),
+    (r"tests/test_slurm\.py::", "test_slurm-cluster"),  # one SLURM cluster, started once
 )
 #: The module-scoped fixtures SHARED_SETUP groups by: a test using one that no pattern matches is
 #: a collection error (so a renamed or new test cannot silently compute it again in each worker).
@@ -114,7 +115,8 @@ SHARED_FIXTURES = {
     "tests/test_monitor.py": "trained",               # a trained model
     "tests/test_zero_checkpoint.py": "saved",         # checkpoints of a sharded run (and the
     "tests/test_ray.py": "ray_cluster",               # uninterrupted run, with it); the local
-}                                                     # Ray cluster
+    "tests/test_slurm.py": "slurm",                   # Ray cluster; the one-host SLURM cluster
+}
 
 
 def shared_setup_group(nodeid):
