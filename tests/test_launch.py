@@ -545,12 +545,53 @@ def test_two_nodes_build_one_cluster(run_process):
         assert (e["TFDP_WORKER_RANK"], e["TFDP_NUM_WORKERS"], e["TFDP_LOCAL_RANK"],
                 e["TFDP_NODE_RANK"], e["TFDP_NUM_NODES"], e["TFDP_CPU_REPLICAS"]) == \
             (str(r), "4", str(r % 2), str(r // 2), "2", "3")
-    assert f"rendezvous listening on 127.0.0.1:{port}" in err0
+    assert (f"rendezvous listening on 127.0.0.1:{port} (open: any process that reaches it can "
+            "join; give every node the same --rdzv-token or TFDP_RDZV_TOKEN)") in err0
     assert "tfdp launch: all 2 nodes succeeded" in err0
     for err, (a, b) in ((err0, (0, 1)), (err1, (2, 3))):
         ports = [cluster["worker"][a].rsplit(":", 1)[1], cluster["worker"][b].rsplit(":", 1)[1]]
         assert (f"workers {a}..{b} will listen on every interface at port(s) {ports[0]}, "
                 f"{ports[1]}, advertised as {cluster['worker'][a]}, {cluster['worker'][b]}") in err
+
+
+def test_a_token_admits_only_its_nodes_and_the_workers_never_see_it(run_process):
+    """Launchers given TFDP_RDZV_TOKEN (node 1) and --rdzv-token (node 0) form the job; a stray
+    connection and a launcher with another token are turned away, each with one line, while
+    node 0 waits; the workers' environment has no token. Without a token node 0 says the
+    rendezvous is open (test_two_nodes_build_one_cluster's run)."""
+    import socket
+    token = "a1b2" * 8
+    port = _free_port()
+    cmd = py("print('TOKEN', os.environ.get('TFDP_RDZV_TOKEN'))")
+    n0 = _node(0, port, cmd, "--output", "all", "--rdzv-token", token, "--join-timeout", "30",
+               k=1)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as stray:
+                stray.sendall(b"\x16\x03\x01\x02\x00garbage\n")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    wrong = _node(1, port, cmd, "--output", "all", k=1,
+                  env=base_env(TFDP_RDZV_TOKEN="0" * 32))
+    (cw, _, errw, _), = _finish(wrong, timeout=30)
+    right = _node(1, port, cmd, "--output", "all", k=1, env=base_env(TFDP_RDZV_TOKEN=token))
+    (c0, out0, err0, _), (c1, out1, err1, _) = _finish(n0, right)
+    assert c0 == 0 and c1 == 0, err0 + err1
+    assert cw == 2, errw
+    assert re.search(r"^tfdp launch: error: this node's rendezvous token is not node 0's\. Give "
+                     r"every node the same rendezvous token: --rdzv-token or TFDP_RDZV_TOKEN",
+                     errw, re.M), errw
+    assert "Traceback" not in errw + err0 + err1
+    assert (f"rendezvous listening on 127.0.0.1:{port} (token-authenticated: only nodes with the "
+            "same rendezvous token join)") in err0
+    ignored = [ln for ln in err0.splitlines() if "ignored a connection" in ln]
+    assert len(ignored) == 2, err0
+    assert "not a tfdp launch message" in ignored[0]
+    assert ignored[1].endswith("it did not prove it holds the rendezvous token"), ignored
+    assert "TOKEN None" in out0 and "TOKEN None" in out1 and token not in out0 + out1
 
 
 def test_a_failed_worker_on_one_node_stops_every_node(run_process):

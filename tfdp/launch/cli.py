@@ -8,6 +8,7 @@ import os
 
 from tfdp.cli import HELP_HELP, VERBOSE_HELP
 from tfdp.errors import UsageError
+from tfdp.launch import token as tokens
 from tfdp.launch.launcher import _check_int, launch, validate
 from tfdp.launch.multinode import DEFAULT_JOIN_TIMEOUT, DEFAULT_NODE_TIMEOUT, launch_nodes
 
@@ -54,8 +55,9 @@ or a node did not join within --join-timeout; 130/143 stopped by SIGINT/SIGTERM.
 security: the TensorFlow gRPC server the workers start is unauthenticated and listens on every
 interface of its port. On one node, tfdp launch only advertises loopback addresses, but never
 expose these ports to other machines (firewall them on shared hosts). Across nodes, every node
-prints the addresses it will listen on, and the rendezvous is unauthenticated too: run
-multi-node jobs on a private network or behind a firewall.
+prints the addresses it will listen on. The rendezvous admits only nodes holding the job's
+token (--rdzv-token / TFDP_RDZV_TOKEN; without one it is open, and node 0 says so); the
+connections are not encrypted. Run multi-node jobs on a private network or behind a firewall.
 
 examples:
   tfdp launch --workers 2 --cpu-replicas 2 -- python train.py --epochs 3
@@ -138,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="take --nnodes, --node-rank and the coordinator (the first node, "
                             "port 29500 unless --coordinator is given) from srun's environment "
                             "(one tfdp launch per node: srun --ntasks-per-node=1)")
+    nodes.add_argument("--rdzv-token", metavar="TOKEN", default=None,
+                       help="the job's rendezvous secret, the same on every node (at least 16 "
+                            "characters; default: $TFDP_RDZV_TOKEN, which other users cannot "
+                            "read in the process list): node 0 admits only nodes that prove "
+                            "they hold it, without sending it; without one the rendezvous is "
+                            "open. Make one per job: openssl rand -hex 32")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     return p
 
@@ -214,4 +222,5 @@ def main(argv: list[str], environ=None) -> int:
                         coordinator=args.coordinator, workers_per_node=args.workers_per_node,
                         host=args.host, verbose=args.verbose, join_timeout=args.join_timeout,
                         node_timeout=args.node_timeout, announce=True, cli=True,
-                        max_restarts=args.max_restarts, **common)
+                        max_restarts=args.max_restarts, **common,
+                        rdzv_token=tokens.resolve(args.rdzv_token, environ, cli=True))

@@ -14,9 +14,10 @@ which stop theirs at once; a node that dies or goes silent (``node_timeout``) is
 others, which stop. A node that never shows up fails the job after ``join_timeout``.
 
 Security: the workers' TensorFlow gRPC servers are unauthenticated and listen on every interface
-of their ports, and so does nothing else here but the rendezvous port on node 0 (bound to the
-coordinator address only). Every node prints the addresses it will listen on; run multi-node
-jobs on a private network or behind a firewall.
+of their ports. The rendezvous port on node 0 (bound to the coordinator address only) admits
+only nodes that prove they hold the job's rendezvous token (``rdzv_token`` / ``TFDP_RDZV_TOKEN``:
+:mod:`tfdp.launch.token`); without one it is open, and node 0 says so. Every node prints the
+addresses it will listen on; run multi-node jobs on a private network or behind a firewall.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import IO, Mapping, Sequence
 from tfdp import errors
 from tfdp.errors import UsageError
 from tfdp.launch import rendezvous as rdzv
+from tfdp.launch import token as tokens
+from tfdp.launch.liveness import Liveness
 from tfdp.launch.job import _ForwardedSignals, _Job, _supervise
 from tfdp.launch.launcher import _check_int, validate
 
@@ -139,7 +142,8 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                  log_dir: str | None = None, verbose: bool = False,
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  node_timeout: float = DEFAULT_NODE_TIMEOUT, announce: bool | None = None,
-                 max_restarts: int = 0, cli: bool = False) -> int:
+                 max_restarts: int = 0, rdzv_token: str | None = None,
+                 cli: bool = False) -> int:
     """Run this node's part of an ``nnodes``-node job; return the job's exit code.
 
     Args:
@@ -155,6 +159,10 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
       join_timeout: seconds to wait for every node to join (exit 124 after that).
       node_timeout: a node silent for this long (no rendezvous heartbeat) is lost.
       max_restarts: must be 0 (restarts are for one node: rerun the command on every node).
+      rdzv_token: the job's rendezvous secret, the same on every node (at least 16
+        characters; default: ``$TFDP_RDZV_TOKEN`` of ``env``, else none: an open rendezvous).
+        Node 0 admits only nodes that prove they hold it, without sending it; the workers do
+        not see it.
 
     Returns:
       0 when every worker of every node succeeded; the failed worker's exit code (on every
@@ -169,7 +177,8 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                                   host=host, join_timeout=join_timeout,
                                   node_timeout=node_timeout, cli=cli, **single)
     k = workers_per_node
-    env = dict(os.environ if env is None else env)
+    token = tokens.resolve(rdzv_token, os.environ if env is None else env, cli=cli)
+    env = tokens.environ_without(env)
     job = _Job(list(cmd), k, cpu_replicas, gpus_per_worker, env,
                sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr,
                output=output, log_dir=log_dir, verbose=verbose, rank_offset=node_rank * k,
@@ -191,23 +200,26 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
             hello = rdzv._hello(node_rank, nnodes, k, host, ports)
             try:
                 if node_rank == 0:
-                    coord = rdzv.Coordinator(chost, cport, say)
+                    coord = rdzv.Coordinator(chost, cport, say, token=token)
+                    guard = ("token-authenticated: only nodes with the same rendezvous token "
+                             "join" if token else "open: any process that reaches it can join; "
+                             f"give every node the same --rdzv-token or {tokens.ENV}")
                     say(f"node 0 of {nnodes}: rendezvous listening on {coord.address} "
-                        f"(unauthenticated: keep it on a private network); waiting for "
-                        f"{nnodes - 1} node(s), --join-timeout {join_timeout:g} s")
+                        f"({guard}); waiting for {nnodes - 1} node(s), --join-timeout "
+                        f"{join_timeout:g} s")
                     hello["host"] = host or chost
                     joined, peers = coord.gather(hello, join_timeout, received)
                     hosts = {r: joined[r]["host"] for r in range(nnodes)}
                     workers = [rdzv.format_address(hosts[r], p) for r in range(nnodes)
                                for p in joined[r]["ports"]]
-                    for peer in peers.values():
-                        peer.send({"workers": workers,
-                                   "hosts": {str(r): h for r, h in hosts.items()}})
+                    coord.answer(joined, peers, {"workers": workers,
+                                                 "hosts": {str(r): h for r, h in hosts.items()}})
                 else:
                     say(f"node {node_rank} of {nnodes}: joining the rendezvous at "
                         f"{rdzv.format_address(chost, cport)} (--join-timeout "
                         f"{join_timeout:g} s)")
-                    reply, peer, own = rdzv.join(chost, cport, hello, join_timeout, received)
+                    reply, peer, own = rdzv.join(chost, cport, hello, join_timeout, received,
+                                                 token=token)
                     peers = {0: peer}
                     workers = reply["workers"]
                     raw_hosts = reply.get("hosts") or {}
@@ -239,7 +251,7 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
             configs = [{"cluster": {"worker": list(workers)},
                         "task": {"type": "worker", "index": node_rank * k + i}}
                        for i in range(k)]
-            liveness = rdzv.Liveness(node_rank, peers, hosts, node_timeout)
+            liveness = Liveness(node_rank, peers, hosts, node_timeout)
 
             def on_end(outcome, code, line):
                 liveness.report(outcome[0] == "ok", line, code)

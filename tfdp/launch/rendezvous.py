@@ -1,22 +1,25 @@
 """A small static TCP rendezvous for ``tfdp launch`` across nodes (torchrun's static rendezvous).
 
-Node 0 listens at the coordinator address; every other node connects (retrying until its join
-timeout: node 0 may start later) and sends one JSON line: its node rank, the job's shape
-(``nnodes``, ``workers_per_node``) and the address its workers advertise (its host and one free
-port per worker). When every node has joined, node 0 answers each with the full list of worker
-addresses, in rank order (node r's workers are ranks ``r*K .. r*K+K-1``). Shapes that disagree,
-a node rank twice or out of range are one-line errors on both sides.
+Node 0 listens at the coordinator address and greets every connection with a fresh challenge;
+every other node connects (retrying until its join timeout: node 0 may start later) and sends
+one JSON line: its node rank, the job's shape (``nnodes``, ``workers_per_node``), the address its
+workers advertise (its host and one free port per worker) and a challenge of its own. With a
+rendezvous token (:mod:`tfdp.launch.token`) the join carries an HMAC of node 0's challenge, and
+node 0's answer one of the node's: only nodes holding the token join, and they only take a
+cluster from a node 0 that holds it. When every node has joined, node 0 answers each with the
+full list of worker addresses, in rank order (node r's workers are ranks ``r*K .. r*K+K-1``).
+Shapes that disagree, a node rank twice or out of range, a token on some nodes only, are
+one-line errors on both sides.
 
-The connections then stay open as the job's liveness channel: every node pings every second,
-reports how its workers ended (``done`` / ``failed`` with the line and exit code) and node 0
-relays a failure to the others and ends the job (``end``) once every node is done. A node whose
-connection closes, or that sends nothing for ``node_timeout`` seconds (killed, frozen, the link
-cut), is lost, and the others stop their workers at once.
+The connections then stay open as the job's liveness channel (:mod:`tfdp.launch.liveness`).
 
 The channel carries no code and no credentials: JSON lines of at most 64 KiB, checked field by
-field; a connection that sends anything else is dropped (a port scanner cannot end the job).
-It is unauthenticated, like TensorFlow's gRPC server: keep the coordinator port on a private
-network. Importing this module never imports TensorFlow.
+field; a connection that sends anything else, too much, nothing within 10 s, or a join without
+the token's proof, is dropped with one line while the job goes on (a port scanner, a stray or
+slow client cannot end or stall it), and at most 64 connections wait to say who they are at a
+time. Without a token the rendezvous is open to any process that reaches the port (node 0 says
+so); TensorFlow's gRPC server between the workers is unauthenticated either way: keep the nodes
+on a private network. Importing this module never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ import time
 
 from tfdp import errors
 from tfdp.errors import TfdpError, UsageError
+from tfdp.launch import token as tokens
 
 PROTOCOL = "tfdp-launch-rendezvous"
-VERSION = 1
+VERSION = 2          # 2: node 0 greets with a challenge; joins and answers may carry proofs
 MAX_LINE = 1 << 16
 PING_S = 1.0
 _HELLO_S = 10.0      # a new connection must say who it is within this long
 _RETRY_S = 0.5       # between connection attempts to the coordinator
 _IO_TIMEOUT_S = 2.0  # socket timeout: reads wake up, sends to a cut link give up
+MAX_PENDING = 64     # connections waiting to say who they are; more are dropped at once
+_TOKEN_FIX = (f"Give every node the same rendezvous token: --rdzv-token or {tokens.ENV} "
+              f"(make one per job: {tokens.MAKE_ONE}).")
 
 
 class JoinTimeout(TfdpError):
@@ -118,7 +125,13 @@ def format_address(host: str, port: int) -> str:
 
 def _hello(node_rank: int, nnodes: int, workers_per_node: int, host: str, ports: list[int]):
     return {"protocol": PROTOCOL, "version": VERSION, "node_rank": node_rank, "nnodes": nnodes,
-            "workers_per_node": workers_per_node, "host": host, "ports": list(ports)}
+            "workers_per_node": workers_per_node, "host": host, "ports": list(ports),
+            "challenge": tokens.challenge()}
+
+
+def _is_nonce(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 128 and all(
+        c in "0123456789abcdef" for c in value)
 
 
 def _check_hello(msg: dict, nnodes: int, workers_per_node: int) -> str | None:
@@ -137,14 +150,16 @@ def _check_hello(msg: dict, nnodes: int, workers_per_node: int) -> str | None:
     if not isinstance(ports, list) or not all(
             isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports):
         return "no valid ports"
+    if not _is_nonce(msg.get("challenge")):
+        return "no valid challenge"
     return None
 
 
 class Coordinator:
     """Node 0's side: listen, gather every node's join, answer the cluster."""
 
-    def __init__(self, host: str, port: int, say):
-        self.say = say
+    def __init__(self, host: str, port: int, say, token: str | None = None):
+        self.say, self.token = say, token
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
@@ -173,7 +188,7 @@ class Coordinator:
         UsageError (the nodes disagree), or returns early (empty peers) on a signal."""
         nnodes, k = hello["nnodes"], hello["workers_per_node"]
         joined, peers = {0: hello}, {}
-        pending: list[tuple[Peer, float]] = []
+        pending: list[tuple[Peer, float, str]] = []  # (connection, accepted at, its challenge)
         deadline = time.monotonic() + join_timeout
         try:
             while len(joined) < nnodes:
@@ -188,36 +203,80 @@ class Coordinator:
                         "Start `tfdp launch --node-rank R ...` on every node, with the same "
                         "--coordinator, and check that they can reach this address (firewall, "
                         "routing)."))
-                try:
-                    conn, addr = self.sock.accept()
-                    pending.append((Peer(conn, format_address(addr[0], addr[1])),
-                                    time.monotonic()))
-                except socket.timeout:
-                    pass
-                for peer, since in list(pending):
+                self._accept(pending)
+                for entry in list(pending):
+                    peer, since, nonce = entry
                     try:
                         msg = peer.inbox.get_nowait()
                     except queue.Empty:
                         if peer.closed or time.monotonic() - since > _HELLO_S:
-                            pending.remove((peer, since))
+                            pending.remove(entry)
                             peer.close()
                             self.say(f"ignored a connection from {peer.address}: "
-                                     f"{peer.closed or 'it said nothing'}")
+                                     f"{peer.closed or f'it said nothing within {_HELLO_S:g} s'}")
                         continue
-                    pending.remove((peer, since))
-                    why = _check_hello(msg, nnodes, k)
+                    pending.remove(entry)
+                    why = _check_hello(msg, nnodes, k) or self._check_proof(msg, nonce, peer)
                     if why:
                         self.say(f"ignored a connection from {peer.address}: {why}")
                         peer.close()
                         continue
                     self._admit(msg, peer, joined, peers, nnodes, k)
         except BaseException:
-            for peer in list(peers.values()) + [p for p, _ in pending]:
+            for peer in list(peers.values()) + [p for p, _, _ in pending]:
                 peer.close()
             raise
         finally:
             self.sock.close()  # the job is formed (or failed): nobody else may join
         return joined, peers
+
+    def _accept(self, pending) -> None:
+        """Take one new connection, if any, and greet it with a challenge."""
+        try:
+            conn, addr = self.sock.accept()
+        except socket.timeout:
+            return
+        address = format_address(addr[0], addr[1])
+        if len(pending) >= MAX_PENDING:
+            conn.close()
+            self.say(f"ignored a connection from {address}: {MAX_PENDING} connections are "
+                     "already waiting to say who they are")
+            return
+        peer = Peer(conn, address)
+        nonce = tokens.challenge()
+        peer.send({"protocol": PROTOCOL, "version": VERSION, "challenge": nonce,
+                   "token": self.token is not None})
+        pending.append((peer, time.monotonic(), nonce))
+
+    def _check_proof(self, msg, nonce, peer) -> str | None:
+        """None if the join may proceed, else why it is ignored (answered with an error)."""
+        if self.token is None:
+            if "proof" in msg:  # a node given a token, node 0 none: the nodes disagree
+                problem = (f"node {msg['node_rank']} ({msg['host']}) was given a rendezvous "
+                           "token, node 0 none")
+                peer.send({"error": problem, "fix": _TOKEN_FIX})
+                peer.close()
+                raise UsageError(f"{problem}. {_TOKEN_FIX}")
+            return None
+        if tokens.verify(self.token, "join", nonce, msg):
+            return None
+        if "proof" in msg:
+            why, told = ("it did not prove it holds the rendezvous token",
+                         "this node's rendezvous token is not node 0's")
+        else:
+            why, told = ("it has no rendezvous token",
+                         "node 0 requires a rendezvous token and this node has none")
+        peer.send({"error": told, "fix": _TOKEN_FIX})
+        return why
+
+    def answer(self, joined: dict, peers: dict, reply: dict) -> None:
+        """Send every joined node the cluster, with node 0's proof of its challenge."""
+        for r, peer in peers.items():
+            message = dict(reply)
+            if self.token is not None:
+                message["proof"] = tokens.proof(self.token, "cluster", joined[r]["challenge"],
+                                                message)
+            peer.send(message)
 
     def _admit(self, msg, peer, joined, peers, nnodes, k) -> None:
         r = msg["node_rank"]
@@ -250,13 +309,13 @@ class _Interrupted(Exception):
     """A signal arrived during the rendezvous."""
 
 
-def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_host=None):
-    """Node r's side: connect (retrying), send ``hello`` (its ``host`` filled in from the
-    connection when None), wait for the cluster. Returns (reply, peer, own host)."""
-    deadline = time.monotonic() + join_timeout
-    last = "no attempt"
-    sock = None
-    while sock is None:
+class _ClosedEarly(RendezvousError):
+    """Node 0 closed a connection before it greeted it."""
+
+
+def _connect(host, port, deadline, join_timeout, received, bind_host, last) -> socket.socket:
+    """A connection to node 0, retried until ``deadline``."""
+    while True:
         if received:
             raise _Interrupted()
         if time.monotonic() >= deadline:
@@ -266,7 +325,7 @@ def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_
                 "Start node 0 (--node-rank 0) on the coordinator's machine and check this "
                 "node can reach it (address, firewall, routing)."))
         try:
-            sock = socket.create_connection((host, port), timeout=_IO_TIMEOUT_S,
+            return socket.create_connection((host, port), timeout=_IO_TIMEOUT_S,
                                             source_address=(bind_host, 0) if bind_host else None)
         except socket.gaierror as e:
             raise errors.invalid_argument(
@@ -276,9 +335,48 @@ def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_
         except OSError as e:
             last = e.strerror or str(e)
             time.sleep(_RETRY_S)
+
+
+def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_host=None,
+         token: str | None = None):
+    """Node r's side: connect (retrying), read node 0's greeting, send ``hello`` (its ``host``
+    filled in from the connection when None; with ``token``, its proof of node 0's challenge),
+    wait for the cluster (with ``token``: checked for node 0's proof of ``hello``'s challenge).
+    Returns (reply, peer, own host)."""
+    deadline = time.monotonic() + join_timeout
+    last = "no attempt"
+    where = format_address(host, port)
+    while True:  # until node 0 greets this connection (it drops some while it is busy)
+        sock = _connect(host, port, deadline, join_timeout, received, bind_host, last)
+        peer = Peer(sock, where)
+        try:
+            greeting = _next(peer, where, deadline, received, "its greeting")
+            break
+        except _ClosedEarly as e:
+            peer.close()
+            last = str(e)
+            time.sleep(_RETRY_S)
     own = sock.getsockname()[0]
     hello = dict(hello, host=hello["host"] or own)
-    peer = Peer(sock, format_address(host, port))
+    if greeting.get("protocol") != PROTOCOL or not _is_nonce(greeting.get("challenge")):
+        peer.close()
+        raise RendezvousError(f"{where} is not a tfdp launch coordinator (it sent "
+                              f"{str(greeting)[:100]})")
+    if greeting.get("version") != VERSION:
+        peer.close()
+        raise UsageError(errors.message(
+            "node 0 speaks another rendezvous version", f"version {greeting.get('version')!r} "
+            f"at {where}, this node's {VERSION}", "Install the same tfdp on every node."))
+    if greeting.get("token") and token is None:
+        peer.close()
+        raise UsageError(f"node 0 ({where}) requires a rendezvous token and this node has none. "
+                         f"{_TOKEN_FIX}")
+    if token is not None and not greeting.get("token"):
+        peer.close()
+        raise UsageError(f"this node was given a rendezvous token, node 0 ({where}) none. "
+                         f"{_TOKEN_FIX}")
+    if token is not None:
+        hello["proof"] = tokens.proof(token, "join", greeting["challenge"], hello)
     peer.send(hello)
     while True:
         if received:
@@ -299,10 +397,17 @@ def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_
             continue
         if "error" in reply:
             peer.close()
-            raise UsageError(f"{reply['error']}. Start every node with the same --nnodes and "
-                             "--workers-per-node and its own --node-rank.")
+            fix = reply.get("fix") if isinstance(reply.get("fix"), str) else (
+                "Start every node with the same --nnodes and --workers-per-node and its own "
+                "--node-rank.")
+            raise UsageError(f"{str(reply['error'])[:500]}. {fix[:500]}")
         workers = reply.get("workers")
         if isinstance(workers, list) and all(isinstance(w, str) for w in workers):
+            if token is not None and not tokens.verify(token, "cluster", hello["challenge"],
+                                                       reply):
+                peer.close()
+                raise RendezvousError(f"node 0 ({where}) did not prove it holds the rendezvous "
+                                      "token: this node does not take its cluster")
             return reply, peer, hello["host"]
         if reply.get("event") == "ping":
             continue
@@ -311,104 +416,21 @@ def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_
                               f"reply: {str(reply)[:200]}")
 
 
-class Liveness:
-    """After the rendezvous: ping, watch the other nodes, report and relay how nodes end."""
-
-    def __init__(self, node_rank: int, peers: dict, hosts: dict, node_timeout: float):
-        self.node_rank, self.peers, self.hosts = node_rank, peers, hosts
-        self.node_timeout = node_timeout
-        self.done: set[int] = set()
-        self.ended = False
-        self._stop = threading.Event()
-        self._pinger = threading.Thread(target=self._ping, name="tfdp-rdzv-ping", daemon=True)
-        self._pinger.start()
-
-    def _ping(self) -> None:
-        while not self._stop.wait(PING_S):
-            for peer in list(self.peers.values()):
-                peer.send({"event": "ping"})
-
-    def _name(self, r: int) -> str:
-        return f"node {r} ({self.hosts.get(r, '?')})"
-
-    def watch(self):
-        """None while every other node is fine, else ``("remote", line, exit code)``."""
-        me = self._name(self.node_rank)
-        for r, peer in list(self.peers.items()):
-            while True:
-                try:
-                    msg = peer.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                event = msg.get("event")
-                if event == "failed":
-                    line, code = str(msg.get("line", ""))[:2000], msg.get("code")
-                    code = code if isinstance(code, int) and 1 <= code <= 255 else 1
-                    if self.node_rank == 0:  # relay to the other nodes
-                        for r2, p2 in self.peers.items():
-                            if r2 != r:
-                                p2.send({"event": "failed", "line": line, "code": code})
-                    return ("remote", f"{line}; stopped the workers of {me}", code)
-                if event == "done":
-                    self.done.add(r)
-                elif event == "end":
-                    self.ended = True
-            if r in self.done or self.ended:
-                continue
-            if peer.closed:
-                return ("remote", f"{self._name(r)} was lost: {peer.closed} (killed, crashed or "
-                        f"its host went down); stopped the workers of {me}", 1)
-            silent = time.monotonic() - peer.last_seen
-            if silent > self.node_timeout:
-                return ("remote", f"{self._name(r)} stopped responding (no rendezvous heartbeat "
-                        f"for {silent:.0f} s, --node-timeout {self.node_timeout:g}: crashed, "
-                        f"frozen or unreachable); stopped the workers of {me}", 1)
-        return None
-
-    def report(self, ok: bool, line: str | None, code: int) -> None:
-        """Tell the other nodes how this node's workers ended."""
-        if ok:
-            if self.node_rank == 0:
-                self.done.add(0)
-            else:
-                self.peers[0].send({"event": "done"})
-            return
-        text = f"{self._name(self.node_rank)}: {line}"
-        for peer in self.peers.values():
-            peer.send({"event": "failed", "line": text, "code": code})
-
-    def finish(self, deadline, received):
-        """After this node's workers succeeded: wait for the job's end. Returns None (every
-        node succeeded) or ``("remote", line, code)``."""
-        while True:
-            if received:
-                return ("signal", received[0])
-            if self.node_rank == 0 and self.done >= set(range(len(self.hosts))):
-                for peer in self.peers.values():
-                    peer.send({"event": "end"})
-                end = time.monotonic() + 2.0  # let them read it before this side closes
-                while time.monotonic() < end and not all(p.closed for p in self.peers.values()):
-                    time.sleep(0.02)
-                return None
-            remote = self.watch()
-            if remote is not None:
-                return remote
-            if self.node_rank != 0 and self.ended:
-                return None
-            if deadline is not None and time.monotonic() >= deadline:
-                return ("timeout",)
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        """Stop pinging; end every connection after what was sent has been read."""
-        self._stop.set()
-        for peer in self.peers.values():
-            try:
-                peer.sock.shutdown(socket.SHUT_WR)  # FIN after the last message
-            except OSError:
-                pass
-        end = time.monotonic() + 0.3
-        while time.monotonic() < end and not all(p.closed for p in self.peers.values()):
-            time.sleep(0.02)
-        for peer in self.peers.values():
+def _next(peer: Peer, where: str, deadline: float, received, what: str) -> dict:
+    """The next message from ``peer`` (before ``deadline``)."""
+    while True:
+        if received:
             peer.close()
+            raise _Interrupted()
+        try:
+            return peer.inbox.get(timeout=0.1)
+        except queue.Empty:
+            if peer.closed:
+                raise _ClosedEarly(f"node 0 ({where}) ended the rendezvous before {what}: "
+                                   f"{peer.closed}") from None
+            if time.monotonic() >= deadline:
+                peer.close()
+                raise JoinTimeout(errors.message(
+                    f"connected to the coordinator {where} but it sent no greeting",
+                    "nothing within --join-timeout", "Check that node 0 runs the same tfdp "
+                    "launch at that address.")) from None
