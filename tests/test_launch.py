@@ -469,7 +469,7 @@ def test_cli_help_covers_output_and_nodes(tfdp_cli):
     (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
       "--workers-per-node", "1", "--host", "127.0.0.1", "true"], "loopback address cannot"),
     (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
-      "--workers-per-node", "1", "--max-restarts", "1", "true"], "Restarts are for a single"),
+      "--workers-per-node", "1", "--max-restarts", "-1", "true"], "--max-restarts=-1"),
     (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",
       "--workers-per-node", "1", "--join-timeout", "0", "true"], "--join-timeout=0"),
     (["--node-rank", "1", "--workers", "2", "true"], "without --nnodes"),
@@ -654,6 +654,39 @@ def test_a_lost_node_ends_the_others_naming_it(run_process, how):
            r"stopped responding \(no rendezvous heartbeat for \d+ s, --node-timeout 3")
     assert re.search(rf"^tfdp launch: node 1 \(127\.0\.0\.1\) {why}.*; stopped the workers of "
                      r"node 0 \(127\.0\.0\.1\)$", err, re.M), err
+
+
+def test_with_restarts_a_lost_coordinator_ends_the_job_and_a_lost_node_is_waited_for(
+        run_process):
+    """--max-restarts across nodes: node 0's node dying ends node 1's launcher at once with one
+    line (restarts need node 0); node 1's dying leaves node 0 forming the job again, waiting
+    --join-timeout for it, then exiting 124 naming it."""
+    cmd = py("print('up', flush=True); time.sleep(60)")
+    for lost in (0, 1):
+        port = _free_port()
+        nodes = [_node(r, port, cmd, "--node-timeout", "3", "--output", "all", "--max-restarts",
+                       "2", "--join-timeout", "4", k=1) for r in (0, 1)]
+        try:
+            for n in nodes:
+                assert n.stdout.readline().endswith("up\n")
+            _kill_node(nodes[lost])
+            t0 = time.monotonic()
+            survivor = nodes[1 - lost]
+            out, err = survivor.communicate(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            _finish(*nodes, timeout=30)
+        assert "Traceback" not in err, err
+        if lost == 0:
+            assert survivor.returncode == 1, err
+            assert took < 10, took
+            assert "tfdp launch: the coordinator's node 0 was lost: the job ends here" in err, err
+            assert "restarting" not in err, err
+        else:
+            assert survivor.returncode == 124, err
+            assert ("tfdp launch: restarting the job on every node (restart 1 of 2): node(s) 1 "
+                    "lost: waiting for all 2 nodes to join again (--join-timeout)") in err, err
+            assert "node(s) 1 did not join the rendezvous" in err, err
 
 
 def test_a_node_that_never_shows_up_fails_the_join_in_one_line(run_process):

@@ -273,6 +273,59 @@ def test_two_workers_killed_worker_restarted_by_launcher(run_process, tmp_path, 
     assert not (tmp_path / "backup").exists()
 
 
+@pytest.mark.timeout(420)
+def test_two_nodes_killed_worker_restarts_the_job_across_nodes(run_process, tmp_path):
+    """``tfdp launch --nnodes 2 --max-restarts 1`` on two "nodes" of 127.0.0.1 (a launcher
+    each, 1 worker x 2 CPU replicas): node 1's worker dies at step 7; both launchers stop, form
+    the job again at the coordinator and restart; the resumed run ends bitwise equal to an
+    uninterrupted one on both workers."""
+    import json
+    import subprocess
+    import sys
+    import portpicker
+    from tfdp.testing import RESULT_MARK
+    script = tmp_path / "train.py"
+    script.write_text(WORKER_SCRIPT)
+    env = dict(os.environ, TFDP_TEST_DIR=TESTS_DIR, CUDA_VISIBLE_DEVICES="",
+               TF_CPP_MIN_LOG_LEVEL="2", BACKUP_DIR=str(tmp_path / "backup"), KIND="shuffled",
+               KILL_AT="7", KILL_RANK="1", TFDP_RDZV_TOKEN="c0ffee" * 4)
+    port = portpicker.pick_unused_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "tfdp", "launch", "--nnodes", "2", "--node-rank", str(r),
+         "--coordinator", f"127.0.0.1:{port}", "--workers-per-node", "1", "--cpu-replicas",
+         "2", "--output", "all", "--max-restarts", "1", "--timeout", "360", "--",
+         sys.executable, str(script)], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for r in (0, 1)]
+    outs = []
+    try:
+        for n in nodes:
+            outs.append(n.communicate(timeout=390))
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, 9)
+                n.communicate()
+    text = "\n".join(f"--- node {r}: exit {n.returncode}\n{o}\n{e}"
+                     for r, (n, (o, e)) in enumerate(zip(nodes, outs)))
+    assert [n.returncode for n in nodes] == [0, 0], text[-6000:]
+    for r, (_, err) in enumerate(outs):
+        assert "restarting the job on every node (restart 1 of 1): every node's workers " \
+            "restart from the last backup" in err, text[-4000:]
+    assert "killing this worker after global step 7" in outs[1][0]
+    results = []
+    for out, _ in outs:
+        lines = [ln.split("] ", 1)[-1] for ln in out.splitlines() if RESULT_MARK in ln]
+        assert lines, text[-4000:]
+        results.append(json.loads(lines[-1][len(RESULT_MARK):]))
+    print("two nodes, restarted:", results)
+    assert all(r["replicas"] == 4 and not r["first_attempt"] and r["restored"]
+               for r in results), results
+    assert all(r["iterations"] == EPOCHS * (N // BATCH) for r in results), results
+    assert all(r["diff"] == 0.0 for r in results), results   # bitwise: the same sums
+    assert results[0]["loss"] == results[1]["loss"] == results[0]["ref_loss"], results
+
+
 # --- the position API ----------------------------------------------------------------------------
 
 def test_position_api_save_now_and_order_check(strategy, tmp_path):

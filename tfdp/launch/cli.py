@@ -97,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-worker", type=int, metavar="G",
                    help="give worker i GPUs i*G..i*G+G-1 of CUDA_VISIBLE_DEVICES (or of 0..N*G-1)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="after a failure, restart all workers up to R times (default: 0; one "
-                        "node only)")
+                   help="after a failure, restart all workers up to R times (default: 0); "
+                        "several nodes: a failed worker on any node, or a lost node other "
+                        "than node 0, restarts every node's workers after the job forms "
+                        "again at the coordinator")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="stop all workers and exit 124 after this many seconds")
     p.add_argument("--host", default=None,

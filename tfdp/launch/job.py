@@ -35,14 +35,16 @@ _PREFIX = "tfdp launch"
 
 
 def _supervise(job: "_Job", max_restarts: int, timeout, deadline, received,
-               configs: Callable[[int], list | None], watch=None, on_end=None) -> int:
+               configs: Callable[[int], list | None], watch=None, on_end=None,
+               attempt: int = 0) -> int:
     """Start, wait, stop and restart ``job``; print the outcome; return the exit code.
 
     ``watch()`` (multi-node) returns an outcome of the other nodes or None, ``on_end(outcome,
-    code, line)`` is told how this node's workers ended."""
+    code, line)`` is told how this node's workers ended; ``attempt``: the first start's restart
+    count (a multi-node job's restarts are rounds of its own: :mod:`tfdp.launch.multinode`)."""
     code = 1
-    for restart in range(max_restarts + 1):
-        if restart:
+    for restart in range(attempt, attempt + max_restarts + 1):
+        if restart > attempt:
             job.say(f"restarting all workers (restart {restart} of {max_restarts})")
         job.start(restart, configs(restart))
         try:

@@ -25,6 +25,7 @@ class Liveness:
         self.node_rank, self.peers, self.hosts = node_rank, peers, hosts
         self.node_timeout = node_timeout
         self.done: set[int] = set()
+        self.lost: set[int] = set()  # nodes whose connection closed or went silent
         self.ended = False
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping, name="tfdp-rdzv-ping", daemon=True)
@@ -63,10 +64,12 @@ class Liveness:
             if r in self.done or self.ended:
                 continue
             if peer.closed:
+                self.lost.add(r)
                 return ("remote", f"{self._name(r)} was lost: {peer.closed} (killed, crashed or "
                         f"its host went down); stopped the workers of {me}", 1)
             silent = time.monotonic() - peer.last_seen
             if silent > self.node_timeout:
+                self.lost.add(r)
                 return ("remote", f"{self._name(r)} stopped responding (no rendezvous heartbeat "
                         f"for {silent:.0f} s, --node-timeout {self.node_timeout:g}: crashed, "
                         f"frozen or unreachable); stopped the workers of {me}", 1)
