@@ -221,7 +221,7 @@ def apply_cpu_replicas_env_early() -> None:
         if not _run_by_tfdp_command() or "tensorflow" in sys.modules:
             _exit_bad_variable(e)
         elif not any(isinstance(f, _AfterTensorFlowImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterTensorFlowImport(lambda: _exit_bad_variable(e)))
+            sys.meta_path.insert(0, _AfterTensorFlowImport(lambda e=e: _exit_bad_variable(e)))
         return
     if n is None:
         return
