@@ -92,6 +92,8 @@ SHARED_SETUP = (
      "test_zero-reference-{0}"),
     (r"tests/test_resume_dropin\.py::test_(?:dropin_resume_equals_uninterrupted\[shuffled-"
      r"|resumed_epoch_metrics_and_progress$)", "test_resume_dropin-reference-shuffled"),
+    (r"tests/test_elastic\.py::test_a_backup_resumes_exactly_on_another_replica_count\[",
+     "test_elastic-one_device"),
     (r"tests/test_keras\.py::test_fit_equals_single_device\[\d-(\w+)\]",
      "test_keras-one_device-fit-{0}"),
     # the user-pattern rows' single-device runs (test_user_patterns.shared_reference)

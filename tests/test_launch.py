@@ -464,6 +464,10 @@ def test_cli_help_covers_output_and_nodes(tfdp_cli):
     (["--nnodes", "2", "--node-rank", "0", "--coordinator", "10.0.0.1:70000",
       "--workers-per-node", "1", "true"], "invalid port"),
     (["--nnodes", "0", "--workers", "1", "true"], "--nnodes=0"),
+    (["--nnodes", "3:2", "--node-rank", "0", "--coordinator", "127.0.0.1:2950",
+      "--workers-per-node", "1", "true"], "--nnodes MIN=3. Give the fewest nodes the job may "
+     "run on, 1..2 (--nnodes MIN:MAX, e.g. --nnodes 1:2)"),
+    (["--nnodes", "2:x", "--workers-per-node", "1", "true"], "give N or MIN:MAX, e.g. 2 or 2:4"),
     (["--nnodes", "2", "--node-rank", "0", "--coordinator", "10.0.0.1:2950", "--workers", "2",
       "true"], "--workers-per-node"),
     (["--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:2950",

@@ -15,6 +15,7 @@ import pytest
 
 from tfdp.errors import UsageError
 from tfdp.launch import rendezvous as rdzv
+from tfdp.launch.coordinator import Coordinator
 from tfdp.launch import token as tokens
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -33,7 +34,7 @@ class Node0:
 
     def __init__(self, port, token=TOKEN, join_timeout=20):
         self.lines, self.port = [], port
-        self.coord = rdzv.Coordinator("127.0.0.1", port, self.lines.append, token=token)
+        self.coord = Coordinator("127.0.0.1", port, self.lines.append, token=token)
         self.result = self.error = None
         hello = rdzv._hello(0, NNODES, K, "127.0.0.1", [port + 1])
         self.thread = threading.Thread(target=self._run, args=(hello, join_timeout), daemon=True)
@@ -179,7 +180,7 @@ def test_strays_are_dropped_with_one_line_each_while_the_job_forms(monkeypatch):
     s3.sendall((json.dumps({k: v for k, v in hello.items() if k != "proof"}) + "\n").encode())
     s.close()                                               # (the replay's first connection)
     strays += [s2, s3]
-    deadline = time.monotonic() + 15  # the slow client is dropped while the job still forms
+    deadline = time.monotonic() + 30  # the slow client is dropped while the job still forms
     while not any("said nothing" in ln for ln in node0.lines):
         assert time.monotonic() < deadline, node0.lines
         time.sleep(0.1)

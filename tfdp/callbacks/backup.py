@@ -249,6 +249,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "num_model_variables": len(model_vars),
                 "num_optimizer_variables": len(opt_vars),
                 "num_metric_variables": len(metric_arrays),
+                "replicas": backup_resume.replicas(self.model),
                 "input": next_read}
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
@@ -369,6 +370,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if meta is not None:
                 self.restore(meta)
                 self._load_position(meta)
+                backup_resume.say_if_resized(self.model, meta)
                 if not self._in_helper:
                     self.model._initial_epoch = meta["epoch"]
                     self._offset = meta["step_in_epoch"]

@@ -12,8 +12,32 @@ import logging
 from tfdp.callbacks import input_position
 from tfdp.callbacks.backup_files import read_sidecar
 from tfdp.errors import invalid_argument
+from tfdp.strategy.role import worker_role
 
 log = logging.getLogger("tfdp")
+
+
+def replicas(model) -> list[int]:
+    """``[workers, replicas in sync]`` of the strategy ``model`` trains under."""
+    strategy = model.distribute_strategy
+    return [worker_role(strategy).count, int(strategy.num_replicas_in_sync)]
+
+
+def say_if_resized(model, meta) -> None:
+    """One line on the chief when the backup was written on another number of replicas (an
+    elastic job that lost or gained a node): the same global batches, a new split."""
+    saved = meta.get("replicas")
+    now = replicas(model)
+    if not saved or list(saved) == now or not worker_role(model.distribute_strategy).is_chief:
+        return
+    from tfdp.strategy import announce
+    (w0, r0), (w1, r1) = saved, now
+    announce.show(
+        f"tfdp BackupAndRestore: resuming at epoch {meta['epoch']} step "
+        f"{meta['step_in_epoch']} (global step {meta['global_step']}) on {w1} worker"
+        f"{'s' if w1 != 1 else ''} = {r1} replicas; the backup was written on {w0} worker"
+        f"{'s' if w0 != 1 else ''} = {r0} replicas: fit's global batches are unchanged, "
+        f"split over {'fewer' if r1 < r0 else 'more'} replicas")
 
 
 def position_input(callback, meta) -> None:

@@ -82,6 +82,16 @@ class _Parser(argparse.ArgumentParser):
                          "Run 'tfdp launch --help' for usage.")
 
 
+def _nnodes(text: str):
+    """``N`` -> N; ``MIN:MAX`` -> (MIN, MAX) (argparse type of --nnodes)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        return (int(lo), int(hi)) if sep else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid --nnodes {text!r}: give N or MIN:MAX, e.g. 2 or 2:4") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tfdp launch`` argument parser (``--help`` is handled by :func:`main`)."""
     p = _Parser(prog="tfdp launch",
@@ -121,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "directory; none with --output all)")
     out.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     nodes = p.add_argument_group("several nodes")
-    nodes.add_argument("--nnodes", type=int, metavar="N",
-                       help="number of nodes (one tfdp launch on each; default: 1)")
+    nodes.add_argument("--nnodes", type=_nnodes, metavar="N|MIN:MAX",
+                       help="number of nodes (one tfdp launch on each; default: 1); MIN:MAX: "
+                            "elastic, a round starts with MIN..MAX nodes, a lost node leaves "
+                            "the others going on while MIN remain (with --max-restarts), a "
+                            "node started later joins at once, up to MAX")
     nodes.add_argument("--node-rank", type=int, metavar="R",
                        help="this node's rank, 0..N-1 (0 runs the coordinator)")
     nodes.add_argument("--coordinator", metavar="HOST:PORT",
@@ -172,6 +185,9 @@ def main(argv: list[str], environ=None) -> int:
         build_parser().print_help()
         return 0
     environ = os.environ if environ is None else environ
+    args.min_nodes = None
+    if isinstance(args.nnodes, tuple):
+        args.min_nodes, args.nnodes = args.nnodes
     output = "all" if args.all_output else args.output
     common = dict(cpu_replicas=args.cpu_replicas, gpus_per_worker=args.gpus_per_worker,
                   timeout=args.timeout, output=output, log_dir=args.log_dir)
@@ -224,5 +240,5 @@ def main(argv: list[str], environ=None) -> int:
                         coordinator=args.coordinator, workers_per_node=args.workers_per_node,
                         host=args.host, verbose=args.verbose, join_timeout=args.join_timeout,
                         node_timeout=args.node_timeout, announce=True, cli=True,
-                        max_restarts=args.max_restarts, **common,
+                        max_restarts=args.max_restarts, min_nodes=args.min_nodes, **common,
                         rdzv_token=tokens.resolve(args.rdzv_token, environ, cli=True))

@@ -106,6 +106,7 @@ class _Job:
                  output="all", log_dir=None, verbose=False, rank_offset=0, num_workers=None,
                  extra_env=None):
         self.cmd, self.workers, self.rank_offset = cmd, workers, rank_offset
+        self.gpus_per_worker = gpus_per_worker
         self.num_workers = workers if num_workers is None else num_workers
         self.out, self.err, self.output = out, err, output
         self.terminal = output_lib.Terminal()
@@ -140,6 +141,21 @@ class _Job:
 
     def rank(self, i: int) -> int:
         return self.rank_offset + i
+
+    def reshape(self, rank_offset: int, num_workers: int, extra_env: dict) -> None:
+        """A new place in a cluster of another size (an elastic job's new round, between a
+        :meth:`stop` and the next :meth:`start`): ranks, sizes and logs follow it."""
+        if (rank_offset, num_workers) == (self.rank_offset, self.num_workers) and all(
+                e.get(k) == v for e in self.envs for k, v in extra_env.items()):
+            return
+        self.close()
+        self.rank_offset, self.num_workers = rank_offset, num_workers
+        for i, e in enumerate(self.envs):
+            e.update(extra_env, TFDP_NUM_WORKERS=str(num_workers),
+                     TFDP_WORKER_RANK=str(rank_offset + i))
+        self.replicas = _replicas_note(num_workers, self.envs[0].get("TFDP_CPU_REPLICAS"),
+                                       self.gpus_per_worker, self.envs[0])
+        self.logs = [output_lib.WorkerLog(self.log_path(i)) for i in range(self.workers)]
 
     def log_path(self, i: int) -> str | None:
         return os.path.join(self.log_dir, f"worker-{self.rank(i)}.log") if self.log_dir else None

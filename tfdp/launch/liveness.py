@@ -26,6 +26,9 @@ class Liveness:
         self.node_timeout = node_timeout
         self.done: set[int] = set()
         self.lost: set[int] = set()  # nodes whose connection closed or went silent
+        self.failed: set[int] = set()  # nodes that reported their workers failed (not lost)
+        self.reform: str | None = None  # node 0 forms the job again (why), a restart point
+        self.reform_counts = True       # ... as a restart (a node asking to join does not)
         self.ended = False
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping, name="tfdp-rdzv-ping", daemon=True)
@@ -50,6 +53,7 @@ class Liveness:
                     break
                 event = msg.get("event")
                 if event == "failed":
+                    self.failed.add(r)
                     line, code = str(msg.get("line", ""))[:2000], msg.get("code")
                     code = code if isinstance(code, int) and 1 <= code <= 255 else 1
                     if self.node_rank == 0:  # relay to the other nodes
@@ -57,6 +61,10 @@ class Liveness:
                             if r2 != r:
                                 p2.send({"event": "failed", "line": line, "code": code})
                     return ("remote", f"{line}; stopped the workers of {me}", code)
+                if event == "reform":  # (from node 0)
+                    self.reform = str(msg.get("line", "node 0 forms the job again"))[:2000]
+                    self.reform_counts = msg.get("counts") is not False
+                    return ("remote", f"{self.reform}; stopped the workers of {me}", 1)
                 if event == "done":
                     self.done.add(r)
                 elif event == "end":
@@ -74,6 +82,34 @@ class Liveness:
                         f"for {silent:.0f} s, --node-timeout {self.node_timeout:g}: crashed, "
                         f"frozen or unreachable); stopped the workers of {me}", 1)
         return None
+
+    def settle(self, seconds: float) -> None:
+        """Node 0, deciding after a failed round: record every node whose connection has
+        closed without a word (lost; a node whose workers failed says so first), waiting up to
+        ``seconds`` for one (a killed node's workers can fail the local ones before its
+        launcher's connection is read as closed)."""
+        end = time.monotonic() + seconds
+        while True:
+            for r, peer in self.peers.items():
+                while True:  # (a node that failed says so, then closes the round's connection)
+                    try:
+                        msg = peer.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if msg.get("event") == "failed":
+                        self.failed.add(r)
+                if peer.closed and r not in self.done and r not in self.failed:
+                    self.lost.add(r)
+            if self.lost or time.monotonic() >= end:
+                return
+            time.sleep(0.05)
+
+    def send_reform(self, line: str, counts: bool) -> None:
+        """Node 0: every node stops its workers and joins the job's next round (``counts``: as
+        a restart)."""
+        self.reform, self.reform_counts = line, counts
+        for peer in self.peers.values():
+            peer.send({"event": "reform", "line": line, "counts": counts})
 
     def report(self, ok: bool, line: str | None, code: int) -> None:
         """Tell the other nodes how this node's workers ended."""
@@ -93,7 +129,7 @@ class Liveness:
         while True:
             if received:
                 return ("signal", received[0])
-            if self.node_rank == 0 and self.done >= set(range(len(self.hosts))):
+            if self.node_rank == 0 and self.done >= set(self.hosts):
                 for peer in self.peers.values():
                     peer.send({"event": "end"})
                 end = time.monotonic() + 2.0  # let them read it before this side closes

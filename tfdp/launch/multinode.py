@@ -32,8 +32,8 @@ from tfdp import errors
 from tfdp.errors import UsageError
 from tfdp.launch import rendezvous as rdzv
 from tfdp.launch import token as tokens
-from tfdp.launch.liveness import Liveness
-from tfdp.launch.job import _ForwardedSignals, _Job, _supervise
+from tfdp.launch.job import _ForwardedSignals, _Job
+from tfdp.launch.rounds import Rounds
 from tfdp.launch.launcher import _check_int, validate
 
 DEFAULT_JOIN_TIMEOUT = 300.0
@@ -76,13 +76,20 @@ def parse_coordinator(coordinator, name: str = "coordinator") -> tuple[str, int]
 
 def validate_nodes(cmd, *, nnodes, node_rank, coordinator, workers_per_node, host=None,
                    join_timeout=DEFAULT_JOIN_TIMEOUT, node_timeout=DEFAULT_NODE_TIMEOUT,
-                   cli=False, **single) -> tuple[str, int]:
+                   min_nodes=None, cli=False, **single) -> tuple[str, int]:
     """Check a multi-node launch's arguments (and the per-node ones, see
     :func:`tfdp.launch.launcher.validate`); return the coordinator's (host, port)."""
     def name(n):
         return "--" + n.replace("_", "-") if cli else n
 
     _check_int(nnodes, name("nnodes"), 2)
+    if min_nodes is not None:
+        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) \
+                or not 1 <= min_nodes <= nnodes:
+            raise errors.invalid_argument(
+                "--nnodes MIN" if cli else "min_nodes", min_nodes, cls=UsageError,
+                fix=f"Give the fewest nodes the job may run on, 1..{nnodes} (--nnodes "
+                    f"MIN:MAX, e.g. --nnodes {max(1, nnodes - 1)}:{nnodes}).")
     if node_rank is None:
         raise errors.invalid_argument(name("node_rank"), None, what=f"Missing "
                                       f"{name('node_rank')}", cls=UsageError,
@@ -137,7 +144,7 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  node_timeout: float = DEFAULT_NODE_TIMEOUT, announce: bool | None = None,
                  max_restarts: int = 0, rdzv_token: str | None = None,
-                 cli: bool = False) -> int:
+                 min_nodes: int | None = None, cli: bool = False) -> int:
     """Run this node's part of an ``nnodes``-node job; return the job's exit code.
 
     Args:
@@ -156,6 +163,11 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
         every node stops its workers and the job forms again at the coordinator and restarts,
         up to this many times (``TFDP_RESTART_COUNT``; ``tfdp.callbacks.BackupAndRestore``
         resumes at the exact step). A lost node 0 ends the job.
+      min_nodes: elastic (torchrun's ``--nnodes MIN:MAX``: ``nnodes`` is MAX): a round starts
+        with at least this many nodes (node 0 among them) once no more join for a few seconds,
+        a lost node leaves the others going on while at least this many remain (a restart),
+        and a node that starts later joins at once (a restart point, not counted), up to
+        ``nnodes``. Default: ``nnodes`` (not elastic).
       rdzv_token: the job's rendezvous secret, the same on every node (at least 16
         characters; default: ``$TFDP_RDZV_TOKEN`` of ``env``, else none: an open rendezvous).
         Node 0 admits only nodes that prove they hold it, without sending it; the workers do
@@ -172,7 +184,8 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
     chost, cport = validate_nodes(cmd, nnodes=nnodes, node_rank=node_rank,
                                   coordinator=coordinator, workers_per_node=workers_per_node,
                                   host=host, join_timeout=join_timeout,
-                                  node_timeout=node_timeout, cli=cli, **single)
+                                  node_timeout=node_timeout, min_nodes=min_nodes, cli=cli,
+                                  **single)
     k = workers_per_node
     token = tokens.resolve(rdzv_token, os.environ if env is None else env, cli=cli)
     env = tokens.environ_without(env)
@@ -181,140 +194,13 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                output=output, log_dir=log_dir, verbose=verbose, rank_offset=node_rank * k,
                num_workers=nnodes * k,
                extra_env={"TFDP_NODE_RANK": str(node_rank), "TFDP_NUM_NODES": str(nnodes)})
-    say = job.say
     deadline = None if timeout is None else time.monotonic() + timeout
     with _ForwardedSignals() as received:
         try:
             if announce or (announce is None and output == "worker0"):
                 job.announce()
-            for attempt in range(max_restarts + 1):
-                formed = _form(job, node_rank, nnodes, k, host, chost, cport, join_timeout,
-                               received, token)
-                if isinstance(formed, int):
-                    return formed
-                code, again = _run_round(job, formed, node_rank, nnodes, k, node_timeout,
-                                         timeout, deadline, received, attempt, max_restarts)
-                if not again:
-                    return code
-                say(f"restarting the job on every node (restart {attempt + 1} of "
-                    f"{max_restarts}): {again}")
-            return code
+            return Rounds(job, node_rank, nnodes, nnodes if min_nodes is None else min_nodes,
+                          k, host, chost, cport, join_timeout, node_timeout, timeout, deadline,
+                          received, token, max_restarts).run()
         finally:
             job.close()
-
-
-def _pick_ports(k: int, cport: int) -> list[int]:
-    import portpicker
-    ports: list[int] = []
-    while len(ports) < k:
-        p = portpicker.pick_unused_port()
-        if p not in ports and p != cport:
-            ports.append(p)
-    return ports
-
-
-def _form(job, node_rank, nnodes, k, host, chost, cport, join_timeout, received, token):
-    """One rendezvous: (workers, hosts, peers), or the exit code it ended with."""
-    say = job.say
-    hello = rdzv._hello(node_rank, nnodes, k, host, _pick_ports(k, cport))
-    try:
-        if node_rank == 0:
-            coord = rdzv.Coordinator(chost, cport, say, token=token)
-            guard = ("token-authenticated: only nodes with the same rendezvous token join"
-                     if token else "open: any process that reaches it can join; give every "
-                     f"node the same --rdzv-token or {tokens.ENV}")
-            say(f"node 0 of {nnodes}: rendezvous listening on {coord.address} ({guard}); "
-                f"waiting for {nnodes - 1} node(s), --join-timeout {join_timeout:g} s")
-            hello["host"] = host or chost
-            joined, peers = coord.gather(hello, join_timeout, received)
-            hosts = {r: joined[r]["host"] for r in range(nnodes)}
-            workers = [rdzv.format_address(hosts[r], p) for r in range(nnodes)
-                       for p in joined[r]["ports"]]
-            coord.answer(joined, peers, {"workers": workers,
-                                         "hosts": {str(r): h for r, h in hosts.items()}})
-        else:
-            say(f"node {node_rank} of {nnodes}: joining the rendezvous at "
-                f"{rdzv.format_address(chost, cport)} (--join-timeout {join_timeout:g} s)")
-            reply, peer, own = rdzv.join(chost, cport, hello, join_timeout, received,
-                                         token=token)
-            peers = {0: peer}
-            workers = reply["workers"]
-            raw_hosts = reply.get("hosts") or {}
-            hosts = {int(r): str(h) for r, h in raw_hosts.items() if str(r).isdigit()}
-            hosts.setdefault(node_rank, own)
-            if len(workers) != nnodes * k:
-                raise rdzv.RendezvousError(
-                    f"node 0 sent {len(workers)} worker addresses for {nnodes} nodes x {k} "
-                    "workers")
-    except rdzv.JoinTimeout as e:
-        say(str(e))
-        return 124
-    except rdzv.RendezvousError as e:
-        say(str(e))
-        return 1
-    except rdzv._Interrupted:
-        import signal
-        name = signal.Signals(received[0]).name
-        say(f"received {name} during the rendezvous; nothing was started")
-        return 128 + received[0]
-    return workers, hosts, peers
-
-
-def _run_round(job, formed, node_rank, nnodes, k, node_timeout, timeout, deadline, received,
-               attempt, max_restarts) -> tuple[int, str | None]:
-    """Start this node's workers in the cluster ``formed`` and see the job through: (exit
-    code, None), or (the code, why) when the job is to be formed again (a restart)."""
-    say = job.say
-    workers, hosts, peers = formed
-    mine = workers[node_rank * k:(node_rank + 1) * k]
-    first = node_rank * k
-    who = f"worker {first}" if k == 1 else f"workers {first}..{first + k - 1}"
-    say(f"node {node_rank} of {nnodes}: {who} will listen on every interface at port(s) "
-        f"{', '.join(a.rsplit(':', 1)[1] for a in mine)}, advertised as {', '.join(mine)} "
-        "(TensorFlow's gRPC server is unauthenticated: keep them on a private network)")
-    configs = [{"cluster": {"worker": list(workers)},
-                "task": {"type": "worker", "index": node_rank * k + i}} for i in range(k)]
-    liveness = Liveness(node_rank, peers, hosts, node_timeout)
-    try:
-        def on_end(outcome, code, line):
-            liveness.report(outcome[0] == "ok", line, code)
-
-        code = _supervise(job, 0, timeout, deadline, received, lambda _: configs,
-                          watch=liveness.watch, on_end=on_end, attempt=attempt)
-        if code == 0:
-            return _finish(job, liveness, node_rank, nnodes, timeout, deadline, received), None
-        if (attempt >= max_restarts or received or code in (124, 130, 143)
-                or (deadline is not None and time.monotonic() >= deadline)):
-            return code, None
-        if node_rank != 0 and 0 in liveness.lost:
-            say("the coordinator's node 0 was lost: the job ends here (a restart needs node 0, "
-                "where the nodes meet)")
-            return code, None
-        lost = sorted(r for r in liveness.lost if r != 0)
-        if lost:
-            return code, (f"node(s) {', '.join(map(str, lost))} lost: waiting for all "
-                          f"{nnodes} nodes to join again (--join-timeout)")
-        return code, "every node's workers restart from the last backup"
-    finally:
-        liveness.close()
-
-
-def _finish(job, liveness, node_rank, nnodes, timeout, deadline, received) -> int:
-    """After this node's workers succeeded: the job's exit code once every node is done."""
-    say = job.say
-    end = liveness.finish(deadline, received)
-    if end is None:
-        if node_rank == 0:
-            say(f"all {nnodes} nodes succeeded")
-        return 0
-    if end[0] == "signal":
-        import signal
-        say(f"received {signal.Signals(end[1]).name} while waiting for the other nodes")
-        liveness.report(False, "stopped by a signal", 128 + end[1])
-        return 128 + end[1]
-    if end[0] == "timeout":
-        say(f"timed out after {timeout:g} s (--timeout) waiting for the other nodes")
-        liveness.report(False, "timed out (--timeout)", 124)
-        return 124
-    say(end[1])
-    return end[2]

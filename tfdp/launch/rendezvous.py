@@ -1,4 +1,6 @@
-"""A small static TCP rendezvous for ``tfdp launch`` across nodes (torchrun's static rendezvous).
+"""A small TCP rendezvous for ``tfdp launch`` across nodes (torchrun's static rendezvous, and
+its elastic one): the protocol and the joining side; node 0's side is
+:mod:`tfdp.launch.coordinator`.
 
 Node 0 listens at the coordinator address and greets every connection with a fresh challenge;
 every other node connects (retrying until its join timeout: node 0 may start later) and sends
@@ -42,6 +44,7 @@ _HELLO_S = 10.0      # a new connection must say who it is within this long
 _RETRY_S = 0.5       # between connection attempts to the coordinator
 _IO_TIMEOUT_S = 2.0  # socket timeout: reads wake up, sends to a cut link give up
 MAX_PENDING = 64     # connections waiting to say who they are; more are dropped at once
+LAST_CALL_S = 5.0    # elastic: once the minimum has joined, how long more may still join
 _TOKEN_FIX = (f"Give every node the same rendezvous token: --rdzv-token or {tokens.ENV} "
               f"(make one per job: {tokens.MAKE_ONE}).")
 
@@ -153,156 +156,6 @@ def _check_hello(msg: dict, nnodes: int, workers_per_node: int) -> str | None:
     if not _is_nonce(msg.get("challenge")):
         return "no valid challenge"
     return None
-
-
-class Coordinator:
-    """Node 0's side: listen, gather every node's join, answer the cluster."""
-
-    def __init__(self, host: str, port: int, say, token: str | None = None):
-        self.say, self.token = say, token
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise errors.invalid_argument(
-                "--coordinator", f"{host}:{port}", what=f"Cannot resolve the coordinator host "
-                f"({e.strerror})", cls=UsageError,
-                fix="Use an address or host name of node 0's machine.") from None
-        family, _, _, _, sockaddr = infos[0]
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind(sockaddr)
-        except OSError as e:
-            self.sock.close()
-            raise errors.invalid_argument(
-                "--coordinator", f"{host}:{port}", what=f"Node 0 cannot listen at the "
-                f"coordinator address ({e.strerror})", cls=UsageError,
-                fix="Run --node-rank 0 on the coordinator's machine, with an address of that "
-                    "machine and a free port.") from None
-        self.sock.listen(64)
-        self.sock.settimeout(0.1)
-        self.address = format_address(sockaddr[0], sockaddr[1])
-
-    def gather(self, hello: dict, join_timeout: float, received) -> tuple[dict, dict]:
-        """Wait for every node; return ({rank: hello}, {rank: Peer}). Raises JoinTimeout,
-        UsageError (the nodes disagree), or returns early (empty peers) on a signal."""
-        nnodes, k = hello["nnodes"], hello["workers_per_node"]
-        joined, peers = {0: hello}, {}
-        pending: list[tuple[Peer, float, str]] = []  # (connection, accepted at, its challenge)
-        deadline = time.monotonic() + join_timeout
-        try:
-            while len(joined) < nnodes:
-                if received:
-                    raise _Interrupted()
-                if time.monotonic() >= deadline:
-                    missing = [r for r in range(nnodes) if r not in joined]
-                    raise JoinTimeout(errors.message(
-                        f"node(s) {', '.join(map(str, missing))} did not join the rendezvous at "
-                        f"{self.address} within {join_timeout:g} s (--join-timeout)",
-                        f"joined: node(s) {', '.join(map(str, sorted(joined)))} of {nnodes}",
-                        "Start `tfdp launch --node-rank R ...` on every node, with the same "
-                        "--coordinator, and check that they can reach this address (firewall, "
-                        "routing)."))
-                self._accept(pending)
-                for entry in list(pending):
-                    peer, since, nonce = entry
-                    try:
-                        msg = peer.inbox.get_nowait()
-                    except queue.Empty:
-                        if peer.closed or time.monotonic() - since > _HELLO_S:
-                            pending.remove(entry)
-                            peer.close()
-                            self.say(f"ignored a connection from {peer.address}: "
-                                     f"{peer.closed or f'it said nothing within {_HELLO_S:g} s'}")
-                        continue
-                    pending.remove(entry)
-                    why = _check_hello(msg, nnodes, k) or self._check_proof(msg, nonce, peer)
-                    if why:
-                        self.say(f"ignored a connection from {peer.address}: {why}")
-                        peer.close()
-                        continue
-                    self._admit(msg, peer, joined, peers, nnodes, k)
-        except BaseException:
-            for peer in list(peers.values()) + [p for p, _, _ in pending]:
-                peer.close()
-            raise
-        finally:
-            self.sock.close()  # the job is formed (or failed): nobody else may join
-        return joined, peers
-
-    def _accept(self, pending) -> None:
-        """Take one new connection, if any, and greet it with a challenge."""
-        try:
-            conn, addr = self.sock.accept()
-        except socket.timeout:
-            return
-        address = format_address(addr[0], addr[1])
-        if len(pending) >= MAX_PENDING:
-            conn.close()
-            self.say(f"ignored a connection from {address}: {MAX_PENDING} connections are "
-                     "already waiting to say who they are")
-            return
-        peer = Peer(conn, address)
-        nonce = tokens.challenge()
-        peer.send({"protocol": PROTOCOL, "version": VERSION, "challenge": nonce,
-                   "token": self.token is not None})
-        pending.append((peer, time.monotonic(), nonce))
-
-    def _check_proof(self, msg, nonce, peer) -> str | None:
-        """None if the join may proceed, else why it is ignored (answered with an error)."""
-        if self.token is None:
-            if "proof" in msg:  # a node given a token, node 0 none: the nodes disagree
-                problem = (f"node {msg['node_rank']} ({msg['host']}) was given a rendezvous "
-                           "token, node 0 none")
-                peer.send({"error": problem, "fix": _TOKEN_FIX})
-                peer.close()
-                raise UsageError(f"{problem}. {_TOKEN_FIX}")
-            return None
-        if tokens.verify(self.token, "join", nonce, msg):
-            return None
-        if "proof" in msg:
-            why, told = ("it did not prove it holds the rendezvous token",
-                         "this node's rendezvous token is not node 0's")
-        else:
-            why, told = ("it has no rendezvous token",
-                         "node 0 requires a rendezvous token and this node has none")
-        peer.send({"error": told, "fix": _TOKEN_FIX})
-        return why
-
-    def answer(self, joined: dict, peers: dict, reply: dict) -> None:
-        """Send every joined node the cluster, with node 0's proof of its challenge."""
-        for r, peer in peers.items():
-            message = dict(reply)
-            if self.token is not None:
-                message["proof"] = tokens.proof(self.token, "cluster", joined[r]["challenge"],
-                                                message)
-            peer.send(message)
-
-    def _admit(self, msg, peer, joined, peers, nnodes, k) -> None:
-        r = msg["node_rank"]
-        problem = None
-        if msg["nnodes"] != nnodes:
-            problem = (f"node {r} ({msg['host']}) was started with --nnodes {msg['nnodes']}, "
-                       f"node 0 with --nnodes {nnodes}")
-        elif msg["workers_per_node"] != k:
-            problem = (f"node {r} ({msg['host']}) was started with --workers-per-node "
-                       f"{msg['workers_per_node']}, node 0 with --workers-per-node {k}")
-        elif not 1 <= r < nnodes:
-            problem = (f"a node joined with --node-rank {r} ({msg['host']}); valid: 1.."
-                       f"{nnodes - 1} (node 0 is the coordinator)")
-        elif r in joined:
-            problem = (f"two nodes were started with --node-rank {r} ({joined[r]['host']} and "
-                       f"{msg['host']})")
-        elif len(msg["ports"]) != k:
-            problem = f"node {r} sent {len(msg['ports'])} worker ports for {k} workers"
-        if problem:
-            peer.send({"error": problem})
-            peer.close()
-            raise UsageError(problem + ". Start every node with the same --nnodes and "
-                             "--workers-per-node and its own --node-rank.")
-        joined[r] = msg
-        peers[r] = peer
-        self.say(f"node {r} joined from {msg['host']} ({len(joined)} of {nnodes})")
 
 
 class _Interrupted(Exception):
