@@ -106,7 +106,7 @@ SHARED_SETUP = (
     # one local Ray cluster at a time: the example starts its own, then the module's starts (two
     # at once leave Ray's processes that connect by auto-detection unable to choose: CI failed on
     # 'Found multiple active Ray instances')
-    (r"tests/test_ray\.py::", "test_ray-cluster"),
+    (r"tests/test_ray(?:_elastic)?\.py::", "test_ray-cluster"),
     (r"tests/test_slurm\.py::", "test_slurm-cluster"),  # one SLURM cluster, started once
 )
 #: The module-scoped fixtures SHARED_SETUP groups by: a test using one that no pattern matches is
@@ -118,6 +118,7 @@ SHARED_FIXTURES = {
     "tests/test_zero_checkpoint.py": "saved",         # checkpoints of a sharded run (and the
     "tests/test_ray.py": "ray_cluster",               # uninterrupted run, with it); the local
     "tests/test_slurm.py": "slurm",                   # Ray cluster; the one-host SLURM cluster
+    "tests/test_ray_elastic.py": "two_node_cluster",  # a local multi-node Ray cluster
 }
 
 

@@ -10,12 +10,14 @@ place of MultiWorkerMirroredStrategy) trains 2 workers x 2 CPU replicas:
    every example exactly once per epoch across workers and replicas;
 3. a worker killed (SIGKILL) at a random step: Ray restarts the group from the backup reported
    by ``tfdp.ray.BackupAndRestore`` and the finished run equals an uninterrupted one bitwise;
-   without restarts the run ends within seconds with an error naming the dead worker.
+   without restarts the run ends within seconds with an error naming the dead worker;
+4. elastic (``ScalingConfig(num_workers=(1, 2))``, a node lost): tests/test_ray_elastic.py.
 
 The whole module skips when Ray is not installed (``pip install -e ".[ray]"``; CI installs it).
 The cluster is started once for the module and always shut down.
 """
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -103,7 +105,7 @@ def ray_cluster(run_process):
 
 
 def _fit_ray(loop, config, tmp_path, *, max_failures=0, name="run", dataset_config=None,
-             datasets=None):
+             datasets=None, num_workers=WORKERS, resources=None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
     kwargs = {}
@@ -111,7 +113,8 @@ def _fit_ray(loop, config, tmp_path, *, max_failures=0, name="run", dataset_conf
         kwargs.update(datasets=datasets, dataset_config=dataset_config)
     trainer = TensorflowTrainer(
         loop, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": REPLICAS}),
+        scaling_config=ScalingConfig(num_workers=num_workers,
+                                     resources_per_worker=resources or {"CPU": REPLICAS}),
         run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_storage"),
                              failure_config=FailureConfig(max_failures=max_failures),
                              worker_runtime_env={"env_vars": {"TFDP_CPU_REPLICAS": str(REPLICAS)}}),
@@ -359,7 +362,8 @@ def _resume_loop(config):
 
     def event(**kw):
         with open(path, "a") as f:
-            f.write(json.dumps(dict(kw, pid=os.getpid(), t=time.time())) + "\n")
+            f.write(json.dumps(dict(kw, pid=os.getpid(), t=time.time(),
+                                    host=os.environ.get("TFDP_TEST_HOST"))) + "\n")
 
     class Progress(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -374,7 +378,8 @@ def _resume_loop(config):
               callbacks=[backup, Progress()])
     _save(config["out"], "final", model)
     event(kind="end", step=backup.global_step)
-    _note(config["out"], reports=backup.reports, restored=backup.restored)
+    _note(config["out"], reports=backup.reports, restored=backup.restored,
+          replicas=strategy.num_replicas_in_sync)
 
 
 def _events(out, rank):
@@ -388,9 +393,9 @@ def _events(out, rank):
 class Killer(threading.Thread):
     """SIGKILLs worker ``rank`` once it reports global step ``step`` (its first process only)."""
 
-    def __init__(self, out, rank, step):
+    def __init__(self, out, rank, step, before=None):
         super().__init__(daemon=True)
-        self.out, self.rank, self.step = out, rank, step
+        self.out, self.rank, self.step, self.before = out, rank, step, before
         self.killed_at = self.killed_pid = None
         self.done = threading.Event()
 
@@ -399,8 +404,11 @@ class Killer(threading.Thread):
             events = _events(self.out, self.rank)
             hits = [e for e in events if e["kind"] == "step" and e["step"] >= self.step]
             if hits:
+                if self.before is not None:
+                    self.before()
                 self.killed_pid = hits[0]["pid"]
-                os.kill(self.killed_pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.killed_pid, signal.SIGKILL)
                 self.killed_at = time.time()
                 return
             time.sleep(0.01)
