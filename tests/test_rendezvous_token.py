@@ -182,7 +182,7 @@ def test_strays_are_dropped_with_one_line_each_while_the_job_forms(monkeypatch):
     strays += [s2, s3]
     deadline = time.monotonic() + 30  # the slow client is dropped while the job still forms
     while not any("said nothing" in ln for ln in node0.lines):
-        assert time.monotonic() < deadline, node0.lines
+        assert time.monotonic() < deadline, (node0.error, "\n".join(node0.lines))
         time.sleep(0.1)
     out = {}
     threads = [_join_in_thread(port, r, out) for r in (1, 2)]
