@@ -32,12 +32,15 @@ def say_if_resized(model, meta) -> None:
         return
     from tfdp.strategy import announce
     (w0, r0), (w1, r1) = saved, now
+
+    def count(n, what):
+        return f"{n} {what}{'s' if n != 1 else ''}"
     announce.show(
         f"tfdp BackupAndRestore: resuming at epoch {meta['epoch']} step "
-        f"{meta['step_in_epoch']} (global step {meta['global_step']}) on {w1} worker"
-        f"{'s' if w1 != 1 else ''} = {r1} replicas; the backup was written on {w0} worker"
-        f"{'s' if w0 != 1 else ''} = {r0} replicas: fit's global batches are unchanged, "
-        f"split over {'fewer' if r1 < r0 else 'more'} replicas")
+        f"{meta['step_in_epoch']} (global step {meta['global_step']}) on {count(w1, 'worker')} "
+        f"= {count(r1, 'replica')}; the backup was written on {count(w0, 'worker')} = "
+        f"{count(r0, 'replica')}: fit's global batches are unchanged, split over "
+        f"{'fewer' if r1 < r0 else 'more'} replicas")
 
 
 def position_input(callback, meta) -> None:
