@@ -11,7 +11,6 @@ Importing this module never imports TensorFlow.
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 
@@ -149,10 +148,7 @@ class Liveness:
         """Stop pinging; end every connection after what was sent has been read."""
         self._stop.set()
         for peer in self.peers.values():
-            try:
-                peer.sock.shutdown(socket.SHUT_WR)  # FIN after the last message
-            except OSError:
-                pass
+            peer.shutdown_write()  # FIN after the last message
         end = time.monotonic() + 0.3
         while time.monotonic() < end and not all(p.closed for p in self.peers.values()):
             time.sleep(0.02)

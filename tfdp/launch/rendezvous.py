@@ -58,14 +58,23 @@ class RendezvousError(TfdpError):
 
 
 class Peer:
-    """One rendezvous connection: JSON lines both ways, a reader thread, when it was last heard."""
+    """One rendezvous connection: JSON lines both ways, a reader thread, when it was last heard.
+
+    Only the reader thread closes the socket, when it ends; :meth:`close` from any other thread
+    shuts the connection down (the reader then reads its end and closes). Sends, shutdowns and
+    that close hold one lock. A socket closed under another thread's ``recv``, ``send`` or
+    ``shutdown`` frees its file descriptor while that call is on its way, and the next
+    connection gets the same number: the call then reads, writes or ends that connection (the
+    rendezvous lost a waiting peer that way, under load)."""
 
     def __init__(self, sock: socket.socket, address: str):
         self.sock, self.address = sock, address
         self.inbox: queue.Queue = queue.Queue()
         self.last_seen = time.monotonic()
         self.closed: str | None = None  # why the connection ended, once it has
-        self._send_lock = threading.Lock()
+        self.local_host = sock.getsockname()[0]
+        self._lock = threading.Lock()  # send / shutdown / the reader's final close
+        self._shut = False
         sock.settimeout(_IO_TIMEOUT_S)
         self._reader = threading.Thread(target=self._read, name=f"tfdp-rdzv-{address}",
                                         daemon=True)
@@ -73,7 +82,9 @@ class Peer:
 
     def send(self, message: dict) -> bool:
         data = (json.dumps(message) + "\n").encode()
-        with self._send_lock:
+        with self._lock:
+            if self._shut:
+                return False
             try:
                 self.sock.sendall(data)
                 return True
@@ -81,6 +92,17 @@ class Peer:
                 return False  # a closed or cut connection: the reader / liveness check tells
 
     def _read(self) -> None:
+        try:
+            self._read_lines()
+        finally:
+            with self._lock:
+                self._shut = True
+                try:
+                    self.sock.close()
+                except OSError:
+                    pass
+
+    def _read_lines(self) -> None:
         buf = b""
         while True:
             try:
@@ -102,24 +124,32 @@ class Peer:
                     message = None
                 if not isinstance(message, dict):
                     self.closed = "it sent something that is not a tfdp launch message"
-                    self.close()
                     return
                 self.last_seen = time.monotonic()
                 self.inbox.put(message)
             if len(buf) > MAX_LINE:
                 self.closed = "it sent a line longer than 64 KiB"
-                self.close()
                 return
 
+    def shutdown_write(self) -> None:
+        """No more sends: the other side reads what was sent, then the end."""
+        with self._lock:
+            if not self._shut:
+                try:
+                    self.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        """End the connection (the reader thread closes the socket once it sees the end)."""
+        with self._lock:
+            if self._shut:
+                return
+            self._shut = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def format_address(host: str, port: int) -> str:
@@ -209,7 +239,7 @@ def join(host: str, port: int, hello: dict, join_timeout: float, received, bind_
             peer.close()
             last = str(e)
             time.sleep(_RETRY_S)
-    own = sock.getsockname()[0]
+    own = peer.local_host
     hello = dict(hello, host=hello["host"] or own)
     if greeting.get("protocol") != PROTOCOL or not _is_nonce(greeting.get("challenge")):
         peer.close()
