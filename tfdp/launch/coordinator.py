@@ -144,10 +144,11 @@ class Coordinator:
                 msg = peer.inbox.get_nowait()
             except queue.Empty:
                 if peer.closed or time.monotonic() - since > rdzv._HELLO_S:
+                    # (why, before close(): its reader then sees the end and says "closed")
+                    why = peer.closed or f"it said nothing within {rdzv._HELLO_S:g} s"
                     self.pending.remove(entry)
                     peer.close()
-                    self.say(f"ignored a connection from {peer.address}: "
-                             f"{peer.closed or f'it said nothing within {rdzv._HELLO_S:g} s'}")
+                    self.say(f"ignored a connection from {peer.address}: {why}")
                 continue
             self.pending.remove(entry)
             why = rdzv._check_hello(msg, nnodes, k) or self._check_proof(msg, nonce, peer)
