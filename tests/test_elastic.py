@@ -7,7 +7,9 @@ good at a random step (its worker SIGKILLs its launcher, then exits, as a lost h
 form the job again on 2 replicas and resume at the last backup with the same global batches;
 then node 2's launcher is started again and joins, and the job finishes on 3. Every worker
 ends bitwise equal to the others and within 1e-5 of one device trained on the same global batches
-(the uninterrupted run: tfdp's N replicas equal one device).
+(the uninterrupted run: tfdp's N replicas equal one device). With ``--elastic-policy
+accumulate`` (node 2 lost for good) the 2 replicas left run each share in 2 micro-batches, none
+larger than a share on 3 nodes, exact as well.
 """
 
 import json
@@ -66,6 +68,7 @@ got = t.state(m)
 one_device, _ = t.run(None, "shuffled")  # no strategy: one device, the same global batches
 digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in got)).hexdigest()
 emit_result(rank=rank, round=round_, replicas=n, restored=backup.restored,
+            micro_batches=strategy.extended.tfdp_micro_batches,
             diff=t.max_diff(got, t.state(one_device)), digest=digest,
             iterations=int(m.optimizer.iterations.numpy()), loss=hist["loss"][-1])
 """
@@ -84,7 +87,7 @@ def _mark(marks, name, timeout, procs):
         return f.read().split()
 
 
-@pytest.mark.parametrize("case", ["lost", "returns"])
+@pytest.mark.parametrize("case", ["lost", "returns", "accumulate"])
 def test_a_node_lost_for_good_and_back_again_keeps_the_training_exact(run_process, tmp_path,
                                                                        case):
     import portpicker
@@ -108,7 +111,9 @@ def test_a_node_lost_for_good_and_back_again_keeps_the_training_exact(run_proces
             [sys.executable, "-m", "tfdp", "launch", "--nnodes", "2:3", "--node-rank", str(r),
              "--coordinator", f"127.0.0.1:{port}", "--workers-per-node", "1",
              "--cpu-replicas", "1", "--output", "all", "--max-restarts", "2",
-             "--join-timeout", "120", "--timeout", "540", "--", sys.executable, str(script)],
+             "--join-timeout", "120", "--timeout", "540",
+             *(["--elastic-policy", "accumulate"] if case == "accumulate" else []),
+             "--", sys.executable, str(script)],
             env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=open(out, "w"),
             stderr=open(err, "w"), start_new_session=True)
 
@@ -166,6 +171,11 @@ def test_a_node_lost_for_good_and_back_again_keeps_the_training_exact(run_proces
     assert all(r["diff"] <= TOL for r in results), results
     assert len({r["digest"] for r in results}) == 1, results          # bitwise equal
     assert "the backup was written on 3 workers = 3 replicas" in err0, text()  # the chief's
+    # --elastic-policy accumulate: on 2 nodes each replica's share of 10 (of 20) runs in
+    # ceil(3 / 2) = 2 micro-batches of 5, none larger than a share on 3 nodes (6-7)
+    assert all(r["micro_batches"] == (2 if case == "accumulate" else 1) for r in results)
+    assert (("each replica's share in 2 micro-batches" in err0) == (case == "accumulate")), \
+        text()
 
 
 # --- in one process: a backup resumed on another replica count -----------------------------------

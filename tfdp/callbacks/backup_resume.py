@@ -40,7 +40,12 @@ def say_if_resized(model, meta) -> None:
         f"{meta['step_in_epoch']} (global step {meta['global_step']}) on {count(w1, 'worker')} "
         f"= {count(r1, 'replica')}; the backup was written on {count(w0, 'worker')} = "
         f"{count(r0, 'replica')}: fit's global batches are unchanged, split over "
-        f"{'fewer' if r1 < r0 else 'more'} replicas")
+        f"{'fewer' if r1 < r0 else 'more'} replicas{_micro(model)}")
+
+
+def _micro(model) -> str:
+    k = getattr(model.distribute_strategy.extended, "tfdp_micro_batches", 1)
+    return f", each replica's share in {k} micro-batches" if k > 1 else ""
 
 
 def position_input(callback, meta) -> None:

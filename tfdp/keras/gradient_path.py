@@ -155,6 +155,15 @@ def _apply(original):
         if replica in step.deferred:  # inside this replica's XLA-compiled step: apply later
             step.deferred[replica].append((self, list(grads), trainable_variables))
             return None
+        if step.micro is not None:
+            # one micro-batch of a step (tfdp.strategy.micro_batches): its gradients join the
+            # earlier micro-batches'; the last one applies the sum (an empty replica's part of a
+            # micro-batch adds zero, its padded example's statistics may be anything)
+            if step.masks is not None:
+                grads = zero_if_empty(grads, step.masks[replica])
+            grads = step.micro.add(replica, self, grads)
+            if not step.micro.last:
+                return None
         accumulate = accumulation_steps(self) is not None
         scope = _Apply(self)
         step.applies[replica] = scope
@@ -365,6 +374,8 @@ def _make_function(original):
             extended.refuse_xla("a custom train_step (tfdp compiles each replica's step with "
                                 "its optimizer updates outside XLA, which only Keras's own "
                                 "train_step allows)")
+        if step_function == self.train_step:
+            extended.refuse_micro_batches_in_xla()
         self.jit_compile = False  # the outer step is not compiled: each replica's is
         try:
             return original(self, _ReplicaXlaStep(losses.keras_step(step_function)))

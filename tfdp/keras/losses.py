@@ -90,6 +90,8 @@ def _global_ratio(cur, local_sum, divisor, what):
     extended, step, replica = cur
     if replica in step.deferred:  # inside a replica's XLA-compiled step: no collective there
         extended.refuse_xla(what)
+    if step.micro_policy is not None:  # the divisor of the whole batch: after every micro-batch
+        step.micro_policy.refuse_counted_divisor(what[0].upper() + what[1:])
     dtype = local_sum.dtype
     live = step.masks[replica]
     s = tf.math.multiply_no_nan(tf.cast(local_sum, tf.float32), live)

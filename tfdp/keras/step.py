@@ -55,6 +55,11 @@ class StepContext:
         self.weighted: dict[int, set] = {}
         self._no_merge = threading.local()  # per replica thread (replicas run concurrently)
         self.xla_refusal = None
+        # micro-batches (tfdp.strategy.micro_batches): the step's Accumulator while one of
+        # its micro-batches is traced; a micro_batches.Policy while micro-batches are asked
+        # for (what cannot be split is refused)
+        self.micro = None
+        self.micro_policy = None
 
     @contextlib.contextmanager
     def replica_collectives(self):

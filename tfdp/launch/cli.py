@@ -10,7 +10,8 @@ from tfdp.cli import HELP_HELP, VERBOSE_HELP
 from tfdp.errors import UsageError
 from tfdp.launch import token as tokens
 from tfdp.launch.launcher import _check_int, launch, validate
-from tfdp.launch.multinode import DEFAULT_JOIN_TIMEOUT, DEFAULT_NODE_TIMEOUT, launch_nodes
+from tfdp.launch.multinode import (DEFAULT_JOIN_TIMEOUT, DEFAULT_NODE_TIMEOUT, ELASTIC_POLICIES,
+                                   launch_nodes)
 
 # What the terminal shows by default: "worker0" (worker 0 live, every worker in a log file) or
 # "all" (every worker, line by line, prefixed: --output all).
@@ -136,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "elastic, a round starts with MIN..MAX nodes, a lost node leaves "
                             "the others going on while MIN remain (with --max-restarts), a "
                             "node started later joins at once, up to MAX")
+    nodes.add_argument("--elastic-policy", choices=ELASTIC_POLICIES, default=None,
+                       help="with --nnodes MIN:MAX, the same global batch on fewer replicas "
+                            "after a node is lost: batch (default) gives each replica a larger "
+                            "share; accumulate runs each replica's share in micro-batches no "
+                            "larger than a share at MAX nodes, gradients summed into one step "
+                            "(the same on every node)")
     nodes.add_argument("--node-rank", type=int, metavar="R",
                        help="this node's rank, 0..N-1 (0 runs the coordinator)")
     nodes.add_argument("--coordinator", metavar="HOST:PORT",
@@ -212,7 +219,8 @@ def main(argv: list[str], environ=None) -> int:
     multi = args.nnodes is not None and args.nnodes != 1
     if not multi:
         for flag, value in (("--node-rank", args.node_rank), ("--coordinator",
-                                                             args.coordinator)):
+                                                             args.coordinator),
+                            ("--elastic-policy", args.elastic_policy)):
             if value is not None and not (args.slurm and args.nnodes == 1):
                 if args.nnodes is None:
                     raise UsageError(f"{flag} is for several nodes. Received: {flag}={value!r} "
@@ -240,5 +248,6 @@ def main(argv: list[str], environ=None) -> int:
                         coordinator=args.coordinator, workers_per_node=args.workers_per_node,
                         host=args.host, verbose=args.verbose, join_timeout=args.join_timeout,
                         node_timeout=args.node_timeout, announce=True, cli=True,
-                        max_restarts=args.max_restarts, min_nodes=args.min_nodes, **common,
+                        max_restarts=args.max_restarts, min_nodes=args.min_nodes,
+                        elastic_policy=args.elastic_policy, **common,
                         rdzv_token=tokens.resolve(args.rdzv_token, environ, cli=True))

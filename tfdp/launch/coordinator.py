@@ -26,6 +26,7 @@ class Coordinator:
         self.say, self.token, self.keep_open = say, token, keep_open
         self.pending: list[tuple[rdzv.Peer, float, str]] = []  # (connection, accepted, challenge)
         self.waiting: dict[int, tuple[dict, rdzv.Peer]] = {}    # asked to join during a round
+        self.elastic_policy = "batch"  # node 0's --elastic-policy (every node's must be it)
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
@@ -58,6 +59,7 @@ class Coordinator:
         (``min_nodes`` < ``nnodes``), ``last_call`` seconds after ``min_nodes`` had. Nodes that
         asked to join while the last round ran (:meth:`poll`) are in from the start."""
         nnodes, k = hello["nnodes"], hello["workers_per_node"]
+        self.elastic_policy = _policy(hello)
         min_nodes = nnodes if min_nodes is None else min_nodes
         expect = set(range(nnodes)) if expect is None else set(expect) | {0}
         joined, peers = {0: hello}, {}
@@ -112,6 +114,10 @@ class Coordinator:
                 problem = (f"node {r} ({msg['host']}) was started with --nnodes "
                            f"{msg['nnodes']} --workers-per-node {msg['workers_per_node']}, node "
                            f"0 with {nnodes} and {k}")
+            elif _policy(msg) != self.elastic_policy:
+                problem = (f"node {r} ({msg['host']}) was started with --elastic-policy "
+                           f"{_policy(msg)}, node 0 with --elastic-policy "
+                           f"{self.elastic_policy}")
             elif not 1 <= r < nnodes or r in members or r in self.waiting:
                 problem = (f"a node joined with --node-rank {r} ({msg['host']}), which is in "
                            f"the job already or out of range (1..{nnodes - 1})")
@@ -223,11 +229,20 @@ class Coordinator:
                        f"{msg['host']})")
         elif len(msg["ports"]) != k:
             problem = f"node {r} sent {len(msg['ports'])} worker ports for {k} workers"
+        elif _policy(msg) != self.elastic_policy:
+            problem = (f"node {r} ({msg['host']}) was started with --elastic-policy "
+                       f"{_policy(msg)}, node 0 with --elastic-policy {self.elastic_policy}")
         if problem:
             peer.send({"error": problem})
             peer.close()
-            raise UsageError(problem + ". Start every node with the same --nnodes and "
-                             "--workers-per-node and its own --node-rank.")
+            raise UsageError(problem + ". Start every node with the same --nnodes, "
+                             "--workers-per-node and --elastic-policy, and its own "
+                             "--node-rank.")
         joined[r] = msg
         peers[r] = peer
         self.say(f"node {r} joined from {msg['host']} ({len(joined)} of {nnodes})")
+
+
+def _policy(msg: dict) -> str:
+    """A join's ``--elastic-policy`` ("batch" when it names none)."""
+    return msg.get("elastic_policy", "batch")

@@ -74,9 +74,22 @@ def parse_coordinator(coordinator, name: str = "coordinator") -> tuple[str, int]
     return host.strip("[]"), port
 
 
+#: ``--elastic-policy`` (``tfdp.strategy.micro_batches.POLICIES``, which a test holds equal:
+#: the launcher never imports TensorFlow)
+ELASTIC_POLICIES = ("batch", "accumulate")
+
+
+def _elastic_env(policy, max_workers) -> dict:
+    """The workers' environment for ``--elastic-policy`` (none without one)."""
+    if policy is None:
+        return {}
+    return {"TFDP_ELASTIC_POLICY": policy, "TFDP_ELASTIC_MAX_WORKERS": str(max_workers)}
+
+
 def validate_nodes(cmd, *, nnodes, node_rank, coordinator, workers_per_node, host=None,
                    join_timeout=DEFAULT_JOIN_TIMEOUT, node_timeout=DEFAULT_NODE_TIMEOUT,
-                   min_nodes=None, cli=False, **single) -> tuple[str, int]:
+                   min_nodes=None, elastic_policy=None, cli=False,
+                   **single) -> tuple[str, int]:
     """Check a multi-node launch's arguments (and the per-node ones, see
     :func:`tfdp.launch.launcher.validate`); return the coordinator's (host, port)."""
     def name(n):
@@ -90,6 +103,17 @@ def validate_nodes(cmd, *, nnodes, node_rank, coordinator, workers_per_node, hos
                 "--nnodes MIN" if cli else "min_nodes", min_nodes, cls=UsageError,
                 fix=f"Give the fewest nodes the job may run on, 1..{nnodes} (--nnodes "
                     f"MIN:MAX, e.g. --nnodes {max(1, nnodes - 1)}:{nnodes}).")
+    if elastic_policy is not None:
+        if elastic_policy not in ELASTIC_POLICIES:
+            raise errors.invalid_argument(name("elastic_policy"), elastic_policy,
+                                          valid=ELASTIC_POLICIES, cls=UsageError)
+        if min_nodes is None or min_nodes == nnodes:
+            raise errors.invalid_argument(
+                name("elastic_policy"), elastic_policy, cls=UsageError,
+                what=f"{name('elastic_policy')} is for an elastic job",
+                fix=f"Give --nnodes MIN:MAX (e.g. --nnodes {max(1, nnodes - 1)}:{nnodes}), or "
+                    f"leave {name('elastic_policy')} out: a job of a fixed size never splits "
+                    "its batches otherwise.")
     if node_rank is None:
         raise errors.invalid_argument(name("node_rank"), None, what=f"Missing "
                                       f"{name('node_rank')}", cls=UsageError,
@@ -144,7 +168,8 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  node_timeout: float = DEFAULT_NODE_TIMEOUT, announce: bool | None = None,
                  max_restarts: int = 0, rdzv_token: str | None = None,
-                 min_nodes: int | None = None, cli: bool = False) -> int:
+                 min_nodes: int | None = None, elastic_policy: str | None = None,
+                 cli: bool = False) -> int:
     """Run this node's part of an ``nnodes``-node job; return the job's exit code.
 
     Args:
@@ -168,6 +193,11 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
         a lost node leaves the others going on while at least this many remain (a restart),
         and a node that starts later joins at once (a restart point, not counted), up to
         ``nnodes``. Default: ``nnodes`` (not elastic).
+      elastic_policy: an elastic job's "batch" (default: after a node is lost, fewer replicas
+        take larger shares of the same global batch) or "accumulate" (each replica runs its
+        share in micro-batches no larger than a replica's share at the full size, ``nnodes``
+        nodes). The workers get it as ``TFDP_ELASTIC_POLICY``, with ``TFDP_ELASTIC_MAX_WORKERS``
+        (``nnodes`` x ``workers_per_node``); every node must be given the same.
       rdzv_token: the job's rendezvous secret, the same on every node (at least 16
         characters; default: ``$TFDP_RDZV_TOKEN`` of ``env``, else none: an open rendezvous).
         Node 0 admits only nodes that prove they hold it, without sending it; the workers do
@@ -184,8 +214,8 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
     chost, cport = validate_nodes(cmd, nnodes=nnodes, node_rank=node_rank,
                                   coordinator=coordinator, workers_per_node=workers_per_node,
                                   host=host, join_timeout=join_timeout,
-                                  node_timeout=node_timeout, min_nodes=min_nodes, cli=cli,
-                                  **single)
+                                  node_timeout=node_timeout, min_nodes=min_nodes,
+                                  elastic_policy=elastic_policy, cli=cli, **single)
     k = workers_per_node
     token = tokens.resolve(rdzv_token, os.environ if env is None else env, cli=cli)
     env = tokens.environ_without(env)
@@ -193,7 +223,9 @@ def launch_nodes(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator
                sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr,
                output=output, log_dir=log_dir, verbose=verbose, rank_offset=node_rank * k,
                num_workers=nnodes * k,
-               extra_env={"TFDP_NODE_RANK": str(node_rank), "TFDP_NUM_NODES": str(nnodes)})
+               extra_env={"TFDP_NODE_RANK": str(node_rank), "TFDP_NUM_NODES": str(nnodes),
+                          **_elastic_env(elastic_policy, nnodes * k)})
+    job.elastic_policy = elastic_policy or "batch"   # (in the join: every node's must agree)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _ForwardedSignals() as received:
         try:

@@ -156,10 +156,11 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _hello(node_rank: int, nnodes: int, workers_per_node: int, host: str, ports: list[int]):
+def _hello(node_rank: int, nnodes: int, workers_per_node: int, host: str, ports: list[int],
+           elastic_policy: str = "batch"):
     return {"protocol": PROTOCOL, "version": VERSION, "node_rank": node_rank, "nnodes": nnodes,
             "workers_per_node": workers_per_node, "host": host, "ports": list(ports),
-            "challenge": tokens.challenge()}
+            "challenge": tokens.challenge(), "elastic_policy": elastic_policy}
 
 
 def _is_nonce(value) -> bool:
@@ -185,6 +186,8 @@ def _check_hello(msg: dict, nnodes: int, workers_per_node: int) -> str | None:
         return "no valid ports"
     if not _is_nonce(msg.get("challenge")):
         return "no valid challenge"
+    if msg.get("elastic_policy", "batch") not in ("batch", "accumulate"):
+        return "no valid elastic_policy"
     return None
 
 

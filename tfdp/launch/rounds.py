@@ -87,7 +87,8 @@ class Rounds:
     def _form(self, expect):
         """One rendezvous: (workers, hosts, peers, members), or the exit code it ended with."""
         say, nnodes, k = self.job.say, self.nnodes, self.k
-        hello = rdzv._hello(self.node_rank, nnodes, k, self.host, _pick_ports(k, self.cport))
+        hello = rdzv._hello(self.node_rank, nnodes, k, self.host, _pick_ports(k, self.cport),
+                            getattr(self.job, "elastic_policy", "batch"))
         shape = (f"{self.min_nodes} to {nnodes} nodes" if self.elastic else f"{nnodes - 1} "
                  "node(s)")
         try:

@@ -79,6 +79,13 @@ def strategy_line(strategy) -> str:
         tail += (f"; zero_stage={stage}: optimizer state sharded over the {len(local)} local "
                  f"replica{'s' if len(local) != 1 else ''}"
                  + (", gradients summed onto their owners" if stage == 2 else ""))
+    k = ext.tfdp_micro_batches
+    if k > 1:
+        settings = ext.tfdp_settings
+        tail += (f"; each replica's batch in {k} micro-batches per training step"
+                 + (f" (elastic policy 'accumulate': {workers} of the job's "
+                    f"{settings.elastic_max_workers} workers)"
+                    if settings.micro_batches is None else ""))
     if total == 1 and names[0].startswith("CPU"):
         tail += (f"; for n CPU replicas set {devices_lib.CPU_REPLICAS_ENV}=n (or call "
                  "tfdp.configure_cpu_replicas(n) before TensorFlow starts)")

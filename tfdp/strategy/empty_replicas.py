@@ -36,7 +36,8 @@ def components(leaf, devices, dynamic_only=True):
     return comps
 
 
-def _regroup(leaf, comps):
+def regroup(leaf, comps):
+    """``leaf`` (a batched value ``components`` took apart) made of ``comps`` instead."""
     return tfp.PerReplica(tuple(comps)) if tfp.is_distributed_values(leaf) else comps[0]
 
 
@@ -60,7 +61,7 @@ def _per_replica_select(leaf, live, devices, if_empty, static_empty=None):
                 out.append(c)
                 continue
         changed = True
-    return _regroup(leaf, out) if changed else None
+    return regroup(leaf, out) if changed else None
 
 
 class Padding:

@@ -16,6 +16,7 @@ strategy alike:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import tensorflow as tf
@@ -25,7 +26,7 @@ from tfdp import devices as devices_lib
 from tfdp.keras import adapter, gradient_path
 from tfdp.reduce import registry
 from tfdp.reduce.options import ReduceOptions
-from tfdp.strategy import empty_replicas
+from tfdp.strategy import empty_replicas, micro_batches
 from tfdp.strategy.setup_order import step_model
 
 
@@ -50,6 +51,7 @@ class DataParallelExtendedBase:
         self._tfdp_on_read_vars = []  # weakrefs: ON_READ (Keras metrics, loss trackers)
         self._tfdp_optimizers = weakref.WeakSet()  # optimizers that applied in a step
         self.tfdp_choice = None  # the algorithm chosen (tfdp.reduce.registry.Choice)
+        self._micro_policy = None  # a micro_batches.Policy while a step that may split is traced
         self._tfdp_reduce = self._init_tf_extended(container_strategy, cluster)
         # tfdp's hooks in Keras while this strategy lives (tfdp.keras.adapter)
         adapter.use(container_strategy, *adapter.STRATEGY_SETS)
@@ -122,10 +124,24 @@ class DataParallelExtendedBase:
         replicas = len(self.worker_devices) * self._num_workers_in_job()
         if replicas > 1 and not tf.executing_eagerly() and tfp.in_xla_context():
             self._check_xla_possible()
+        k = self._micro_batches(fn)
+        if k > 1:
+            sizes, total = self._replica_sizes(args)
+            if sizes is not None:
+                return self._run_micro_batches(fn, args, kwargs, k, replicas, sizes, total)
         # (one replica: Keras's 1/1 is exact and there is no copy to sync)
         shares = self._replica_shares(args) if replicas > 1 else None
-        step = gradient_path.StepContext(shares)
         own = _model_variable_ids(fn) if replicas > 1 else None  # (None: every variable)
+        result, step = self._run_step(fn, args, kwargs, shares, own)
+        self._after_step(step, shares, replicas, own)
+        return result
+
+    def _run_step(self, fn, args, kwargs, shares, own, micro=None):
+        """One run of the replicas' ``fn`` in a new ``StepContext`` with ``shares``: empty
+        replicas padded, their metric updates undone and their outputs trimmed."""
+        step = gradient_path.StepContext(shares)
+        step.micro = micro
+        step.micro_policy = self._micro_policy
         if shares is not None and not tf.executing_eagerly():  # (see empty_replicas.py)
             padding = empty_replicas.Padding(step.live, self.worker_devices)
             args, step.padded = padding.pad(args)
@@ -137,12 +153,68 @@ class DataParallelExtendedBase:
         if step.padded:
             empty_replicas.restore_on_read_state(saved, step.live)
             result = padding.trim(result)
+        return result, step
+
+    def _after_step(self, step, shares, replicas, own):
         if step.optimizers and replicas > 1:  # a training step: keep BN statistics mirrored
             self._tfdp_optimizers.update(step.optimizers)
             self._sync_layer_state(shares, replicas, own)
         if step.optimizers and self.tfdp_settings.zero_stage:
             self.tfdp_zero.show_effect_once()   # sharded state: its effect, once, at the first
-        return result                           # training step (the optimizers have built)
+                                                # training step (the optimizers have built)
+
+    # --- micro-batches (tfdp.strategy.micro_batches) -----------------------------------------
+
+    @property
+    def tfdp_micro_batches(self) -> int:
+        """Micro-batches per replica in a training step (1: none; ``micro_batches``)."""
+        return self.tfdp_settings.micro_batches_for(self._num_workers_in_job())
+
+    def refuse_micro_batches_in_xla(self):
+        """tfdp's per-replica XLA training step (``gradient_path``) cannot be split: refused
+        while micro-batches are asked for."""
+        k = self.tfdp_micro_batches
+        if k > 1 or self.tfdp_settings.elastic_policy == "accumulate":
+            micro_batches.Policy(self.tfdp_settings, k).refuse_xla()
+
+    def _micro_batches(self, fn) -> int:
+        """k for this ``strategy.run``: > 1 only for a model's Keras ``train_step``, after
+        ``micro_batches.Policy.check_step``; ``_micro_policy`` set while micro-batches are asked for
+        (the loss module refuses what cannot be split)."""
+        settings = self.tfdp_settings
+        k = self.tfdp_micro_batches
+        self._micro_policy = None
+        if k == 1 and settings.elastic_policy != "accumulate":
+            return 1
+        policy = micro_batches.Policy(settings, k)
+        model = step_model(fn)
+        if model is None or getattr(inspect.unwrap(fn), "__name__", "") != "train_step":
+            return 1   # evaluation, prediction, a custom loop's function: not split
+        policy.check_step(model, tfp.keras_builtin_train_step())
+        self._micro_policy = policy
+        return k
+
+    def _run_micro_batches(self, fn, args, kwargs, k, replicas, sizes, total):
+        """One training step as ``k`` runs of ``fn``, one per micro-batch (see
+        ``tfdp.strategy.micro_batches``): shares of the whole global batch (``sizes`` of the
+        local replicas, ``total`` of the job), the gradients held by the ``Accumulator`` until
+        the last micro-batch applies their sum."""
+        devices = self.worker_devices
+        own = _model_variable_ids(fn)
+        acc = micro_batches.Accumulator(k, len(devices))
+        result = step = None
+        for c in range(k):
+            acc.index = c
+            chunk = micro_batches.split(args, devices, k, c, after=acc.waits(len(devices)))
+            shares = []
+            for n, d in zip(sizes, devices):
+                with tf.device(d):
+                    lo, hi = micro_batches.bounds(tf.cast(n, tf.int32), k, c)
+                    shares.append(tf.math.divide_no_nan(tf.cast(hi - lo, tf.float32), total))
+            result, step = self._run_step(fn, chunk, kwargs, shares, own, micro=acc)
+        whole = [tf.math.divide_no_nan(n, total) for n in sizes]
+        self._after_step(step, whole, replicas, own)
+        return result
 
     def whole_step_xla_possible(self) -> bool:
         """Whether XLA can compile a whole step with its collectives: one replica, or GPUs."""
@@ -186,6 +258,14 @@ class DataParallelExtendedBase:
     def _replica_shares(self, args):
         """n_r / sum(n): replica r's share of the global batch (its first batched input; the
         sum over every replica of the job, ``_total_examples``)."""
+        sizes, total = self._replica_sizes(args)
+        if sizes is None:
+            return None
+        return [tf.math.divide_no_nan(s, total) for s in sizes]
+
+    def _replica_sizes(self, args):
+        """Each local replica's examples (float32 scalars, of its first batched input) and the
+        job's total, or (None, None) when no input is batched."""
         for leaf in tf.nest.flatten(args):
             comps = empty_replicas.components(leaf, self.worker_devices, dynamic_only=False)
             if comps is None:
@@ -194,9 +274,8 @@ class DataParallelExtendedBase:
             for c, d in zip(comps, self.worker_devices):
                 with tf.device(d):
                     sizes.append(tf.cast(tf.shape(c)[0], tf.float32))
-            total = self._total_examples(tf.math.add_n(sizes))
-            return [tf.math.divide_no_nan(s, total) for s in sizes]
-        return None
+            return sizes, self._total_examples(tf.math.add_n(sizes))
+        return None, None
 
     def _total_examples(self, local_total):
         return local_total

@@ -96,6 +96,15 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         replica that keeps its optimizer slots and applies its update, then copies the new
         value to every replica (bitwise the same weights as 0). 2: also each gradient is summed
         onto its owner only. None reads ``TFDP_ZERO_STAGE`` (default 0).
+      micro_batches: k >= 1: each replica runs its part of every training step's batch in k
+        micro-batches (Keras's own ``train_step``), their gradients summed and applied once:
+        the same step, with a k-th of the examples in memory at a time
+        (``tfdp.strategy.micro_batches``). None (default): the elastic policy decides.
+      elastic_policy: "batch" | "accumulate": after an elastic job lost nodes (``tfdp launch
+        --nnodes MIN:MAX``), fewer replicas take larger shares of the same global batch
+        ("batch"), or run them in micro-batches no larger than a replica's share at the job's
+        full size ("accumulate"). None reads ``TFDP_ELASTIC_POLICY`` (``tfdp launch
+        --elastic-policy``; default "batch").
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver`` describing the
         cluster (TF_CONFIG / SLURM are read when it is None).
       cluster: a ``tfdp.cluster.ClusterInfo`` instead of a resolver.
@@ -124,13 +133,14 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
                  compression: str | None = None, sparse: str | None = None,
                  collective_timeout: float | None = None,
                  heartbeat_timeout: float | None = None, startup_timeout: float | None = None,
-                 zero_stage: int | None = None,
+                 zero_stage: int | None = None, micro_batches: int | None = None,
+                 elastic_policy: str | None = None,
                  cluster_resolver=None, cluster=None):
         settings = Settings.from_arguments(
             all_reduce=all_reduce, bucket_bytes=bucket_bytes, compression=compression,
             sparse=sparse, collective_timeout=collective_timeout,
             heartbeat_timeout=heartbeat_timeout, startup_timeout=startup_timeout,
-            zero_stage=zero_stage)
+            zero_stage=zero_stage, micro_batches=micro_batches, elastic_policy=elastic_policy)
         settings = _supported(settings)
         self._cluster = self._resolve(cluster_resolver, cluster, devices, settings)
         extended = self._extended_class(self, settings, devices, self._cluster)
@@ -248,6 +258,8 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __repr__(self):
         devs = [devices_lib.short_name(d) for d in self.extended.worker_devices]
         zero = f", zero_stage={self.zero_stage}" if self.zero_stage else ""
+        k = self.extended.tfdp_micro_batches
+        zero += f", micro_batches={k}" if k > 1 else ""
         return (f"DataParallelStrategy(devices={devs}, all_reduce={self.all_reduce!r}, "
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}{zero})")
 
@@ -255,7 +267,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 #: The keyword arguments of DataParallelStrategy (both forms), in its docstring's order.
 _ARGUMENTS = ("devices", "all_reduce", "bucket_bytes", "compression", "sparse",
               "collective_timeout", "heartbeat_timeout", "startup_timeout", "zero_stage",
-              "cluster_resolver", "cluster")
+              "micro_batches", "elastic_policy", "cluster_resolver", "cluster")
 _REPLICAS = ("The replica count comes from the devices: devices=['GPU:0', 'GPU:1'] (or "
              "['CPU:0', 'CPU:1']); on a host without a GPU, set TFDP_CPU_REPLICAS={value} in the "
              "environment (or call tfdp.configure_cpu_replicas({value}) first thing in the "

@@ -422,7 +422,13 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy,
         return (f"MultiWorkerDataParallelStrategy(worker={self._cluster.rank}/"
                 f"{self._cluster.num_workers}, devices={devs}, all_reduce={self.all_reduce!r}, "
                 f"bucket_bytes={self.bucket_bytes}, compression={self.compression!r}"
-                + (f", zero_stage={self.zero_stage})" if self.zero_stage else ")"))
+                + (f", zero_stage={self.zero_stage}" if self.zero_stage else "")
+                + _micro_repr(self) + ")")
+
+
+def _micro_repr(strategy) -> str:
+    k = strategy.extended.tfdp_micro_batches
+    return f", micro_batches={k}" if k > 1 else ""
 
 
 def _check_local_devices(worker_devices, requested):
