@@ -246,7 +246,7 @@ def test_micro_batch_bounds_cover_every_example_once_and_the_last_is_never_empty
 # --- the launcher -------------------------------------------------------------------------------
 
 def test_the_launcher_and_the_strategy_know_the_same_policies():
-    from tfdp.launch.multinode import ELASTIC_POLICIES
+    from tfdp.launch.rendezvous import ELASTIC_POLICIES
     from tfdp.strategy.micro_batches import POLICIES
     assert ELASTIC_POLICIES == POLICIES
 

@@ -59,7 +59,7 @@ class Coordinator:
         (``min_nodes`` < ``nnodes``), ``last_call`` seconds after ``min_nodes`` had. Nodes that
         asked to join while the last round ran (:meth:`poll`) are in from the start."""
         nnodes, k = hello["nnodes"], hello["workers_per_node"]
-        self.elastic_policy = _policy(hello)
+        self.elastic_policy = rdzv.elastic_policy(hello)
         min_nodes = nnodes if min_nodes is None else min_nodes
         expect = set(range(nnodes)) if expect is None else set(expect) | {0}
         joined, peers = {0: hello}, {}
@@ -114,9 +114,9 @@ class Coordinator:
                 problem = (f"node {r} ({msg['host']}) was started with --nnodes "
                            f"{msg['nnodes']} --workers-per-node {msg['workers_per_node']}, node "
                            f"0 with {nnodes} and {k}")
-            elif _policy(msg) != self.elastic_policy:
+            elif rdzv.elastic_policy(msg) != self.elastic_policy:
                 problem = (f"node {r} ({msg['host']}) was started with --elastic-policy "
-                           f"{_policy(msg)}, node 0 with --elastic-policy "
+                           f"{rdzv.elastic_policy(msg)}, node 0 with --elastic-policy "
                            f"{self.elastic_policy}")
             elif not 1 <= r < nnodes or r in members or r in self.waiting:
                 problem = (f"a node joined with --node-rank {r} ({msg['host']}), which is in "
@@ -229,9 +229,10 @@ class Coordinator:
                        f"{msg['host']})")
         elif len(msg["ports"]) != k:
             problem = f"node {r} sent {len(msg['ports'])} worker ports for {k} workers"
-        elif _policy(msg) != self.elastic_policy:
+        elif rdzv.elastic_policy(msg) != self.elastic_policy:
             problem = (f"node {r} ({msg['host']}) was started with --elastic-policy "
-                       f"{_policy(msg)}, node 0 with --elastic-policy {self.elastic_policy}")
+                       f"{rdzv.elastic_policy(msg)}, node 0 with --elastic-policy "
+                       f"{self.elastic_policy}")
         if problem:
             peer.send({"error": problem})
             peer.close()
@@ -241,8 +242,3 @@ class Coordinator:
         joined[r] = msg
         peers[r] = peer
         self.say(f"node {r} joined from {msg['host']} ({len(joined)} of {nnodes})")
-
-
-def _policy(msg: dict) -> str:
-    """A join's ``--elastic-policy`` ("batch" when it names none)."""
-    return msg.get("elastic_policy", "batch")

@@ -74,9 +74,7 @@ def parse_coordinator(coordinator, name: str = "coordinator") -> tuple[str, int]
     return host.strip("[]"), port
 
 
-#: ``--elastic-policy`` (``tfdp.strategy.micro_batches.POLICIES``, which a test holds equal:
-#: the launcher never imports TensorFlow)
-ELASTIC_POLICIES = ("batch", "accumulate")
+ELASTIC_POLICIES = rdzv.ELASTIC_POLICIES
 
 
 def _elastic_env(policy, max_workers) -> dict:

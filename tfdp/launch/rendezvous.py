@@ -156,6 +156,16 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+#: ``--elastic-policy`` (``tfdp.strategy.micro_batches.POLICIES``, which a test holds equal:
+#: the launcher never imports TensorFlow)
+ELASTIC_POLICIES = ("batch", "accumulate")
+
+
+def elastic_policy(msg: dict) -> str:
+    """A join's ``--elastic-policy`` ("batch" when it names none)."""
+    return msg.get("elastic_policy", "batch")
+
+
 def _hello(node_rank: int, nnodes: int, workers_per_node: int, host: str, ports: list[int],
            elastic_policy: str = "batch"):
     return {"protocol": PROTOCOL, "version": VERSION, "node_rank": node_rank, "nnodes": nnodes,
@@ -186,7 +196,7 @@ def _check_hello(msg: dict, nnodes: int, workers_per_node: int) -> str | None:
         return "no valid ports"
     if not _is_nonce(msg.get("challenge")):
         return "no valid challenge"
-    if msg.get("elastic_policy", "batch") not in ("batch", "accumulate"):
+    if elastic_policy(msg) not in ELASTIC_POLICIES:
         return "no valid elastic_policy"
     return None
 

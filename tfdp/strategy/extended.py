@@ -170,26 +170,31 @@ class DataParallelExtendedBase:
         """Micro-batches per replica in a training step (1: none; ``micro_batches``)."""
         return self.tfdp_settings.micro_batches_for(self._num_workers_in_job())
 
+    def _micro_batches_asked(self) -> bool:
+        """Whether micro-batches are asked for (k > 1 now, or the elastic policy
+        "accumulate", also at the full size where k is 1): then what cannot be split is
+        refused."""
+        return (self.tfdp_micro_batches > 1
+                or self.tfdp_settings.elastic_policy == "accumulate")
+
     def refuse_micro_batches_in_xla(self):
         """tfdp's per-replica XLA training step (``gradient_path``) cannot be split: refused
         while micro-batches are asked for."""
-        k = self.tfdp_micro_batches
-        if k > 1 or self.tfdp_settings.elastic_policy == "accumulate":
-            micro_batches.Policy(self.tfdp_settings, k).refuse_xla()
+        if self._micro_batches_asked():
+            micro_batches.Policy(self.tfdp_settings, self.tfdp_micro_batches).refuse_xla()
 
     def _micro_batches(self, fn) -> int:
         """k for this ``strategy.run``: > 1 only for a model's Keras ``train_step``, after
-        ``micro_batches.Policy.check_step``; ``_micro_policy`` set while micro-batches are asked for
-        (the loss module refuses what cannot be split)."""
-        settings = self.tfdp_settings
-        k = self.tfdp_micro_batches
+        ``micro_batches.Policy.check_step``. ``_micro_policy`` is set while micro-batches are
+        asked for (the loss module refuses what cannot be split)."""
         self._micro_policy = None
-        if k == 1 and settings.elastic_policy != "accumulate":
+        if not self._micro_batches_asked():
             return 1
-        policy = micro_batches.Policy(settings, k)
         model = step_model(fn)
         if model is None or getattr(inspect.unwrap(fn), "__name__", "") != "train_step":
             return 1   # evaluation, prediction, a custom loop's function: not split
+        k = self.tfdp_micro_batches
+        policy = micro_batches.Policy(self.tfdp_settings, k)
         policy.check_step(model, tfp.keras_builtin_train_step())
         self._micro_policy = policy
         return k
@@ -205,7 +210,7 @@ class DataParallelExtendedBase:
         result = step = None
         for c in range(k):
             acc.index = c
-            chunk = micro_batches.split(args, devices, k, c, after=acc.waits(len(devices)))
+            chunk = micro_batches.split(args, devices, k, c, after=acc.waits())
             shares = []
             for n, d in zip(sizes, devices):
                 with tf.device(d):

@@ -170,8 +170,7 @@ def split(args, devices, k, c, after=None):
             if isinstance(values, tuple) and any(
                     isinstance(v, (tf.RaggedTensor, tf.SparseTensor)) for v in values):
                 raise refused("A ragged or sparse input", f"{type(values[0]).__name__} "
-                              "batches", "Fix: use the elastic policy 'batch' (tfdp launch's "
-                              "default), or micro_batches=None/1, or dense (padded) inputs.")
+                              "batches", f"{_FIX_POLICY}; or dense (padded) inputs.")
             return leaf
         out = []
         for r, (t, d) in enumerate(zip(comps, devices)):
@@ -220,10 +219,10 @@ class Accumulator:
         self.sums[replica] = grads
         return grads
 
-    def waits(self, replicas):
+    def waits(self):
         """Per local replica, the tensors the next micro-batch's input waits for."""
         return [[g.values if isinstance(g, tf.IndexedSlices) else g
-                 for g in (self.sums[r] or ()) if g is not None] for r in range(replicas)]
+                 for g in (sums or ()) if g is not None] for sums in self.sums]
 
 
 def _add(a, b):
