@@ -19,7 +19,9 @@ Plain ``pytest`` runs in pytest-xdist workers (pytest.ini: ``-n auto --dist load
 worker per CPU, :func:`pytest_xdist_auto_num_workers`; ``-n 0`` for one process): tests sharing an
 expensive set-up (a module-scoped fixture, a memo of reference fits) stay in one worker
 (:data:`SHARED_SETUP`, scheduled by :func:`pytest_xdist_make_scheduler`), and a serial test waits
-until no other test runs, in any worker, and runs alone (:func:`_alone_if_serial`).
+until no other test runs, in any worker, and runs alone (:func:`_alone_if_serial`); the SERIAL
+modules are one group (:data:`SERIAL_BLOCK`) that runs alone from its first serial test to its
+last, so the others wait for it once.
 
 The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
 ``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
@@ -31,6 +33,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # tests are CPU-only, also on GPU hosts
@@ -122,8 +125,18 @@ SHARED_FIXTURES = {
 }
 
 
+#: The scheduling group of the SERIAL modules' tests: one worker runs them one after another, and
+#: a serial test followed by another test of the block keeps the others waiting
+#: (:func:`_alone_if_serial`), so the room drains once for the block, not once per serial test
+#: (each drain left a CPU idle until the other worker's running test ended).
+SERIAL_BLOCK = "serial-block"
+
+
 def shared_setup_group(nodeid):
-    """The group of a test that shares an expensive set-up (SHARED_SETUP), else None."""
+    """The group of a test that shares an expensive set-up (SHARED_SETUP), SERIAL_BLOCK for a
+    test of a SERIAL module, else None."""
+    if nodeid.startswith(SERIAL):
+        return SERIAL_BLOCK
     for pattern, group in SHARED_SETUP:
         match = re.match(pattern, nodeid)
         if match:
@@ -290,39 +303,73 @@ def pytest_unconfigure(config):
                 pass
 
 
+class _Holding(threading.local):  # (per thread: the scheduling tests' threads stand in for workers)
+    room = None  # this worker's room and gate while it runs the serial block alone
+
+
+_HOLDING = _Holding()
+
+
+def _in_serial_block(item):
+    return item is not None and item.nodeid.startswith(SERIAL)
+
+
 @contextlib.contextmanager
-def _alone_if_serial(item):
+def _alone_if_serial(item, nextitem=None):
     """Under pytest-xdist, a ``serial`` test runs while no other test does, in any worker; the
     others run side by side. Two file locks shared by the run's workers: the room, held shared
     by every running test and exclusively by a serial one, and a gate before it that a serial
     test holds while it waits, so that tests starting meanwhile queue behind it instead of
-    keeping the room busy for ever. Without pytest-xdist, tests run one at a time anyway."""
+    keeping the room busy for ever. When the next test of this worker is of the serial block
+    (SERIAL_BLOCK: the SERIAL modules, scheduled to one worker), the room and the gate stay held
+    for it: the block runs alone from its first serial test to its last, and the other workers
+    wait once, not once per serial test. Without pytest-xdist, tests run one at a time anyway."""
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None:
         yield
         return
-    gate_path, room_path = _lock_paths(workerinput["testrunuid"])
+    if _HOLDING.room is None:
+        if not item.get_closest_marker("serial"):
+            with _shared_room(workerinput["testrunuid"]):
+                yield
+            return
+        _HOLDING.room = _exclusive_room(workerinput["testrunuid"])
+    try:
+        yield
+    finally:
+        if not _in_serial_block(nextitem):
+            files, _HOLDING.room = _HOLDING.room, None
+            for f in files:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+
+
+def _exclusive_room(testrunuid):
+    """The gate and the room, both held exclusively (every running test has left the room)."""
+    gate_path, room_path = _lock_paths(testrunuid)
+    gate, room = open(gate_path, "a"), open(room_path, "a")
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    fcntl.flock(room, fcntl.LOCK_EX)
+    return room, gate
+
+
+@contextlib.contextmanager
+def _shared_room(testrunuid):
+    """The room, held shared (after passing the gate: never while a serial test waits)."""
+    gate_path, room_path = _lock_paths(testrunuid)
     with open(gate_path, "a") as gate, open(room_path, "a") as room:
         fcntl.flock(gate, fcntl.LOCK_EX)
-        if item.get_closest_marker("serial"):
-            fcntl.flock(room, fcntl.LOCK_EX)  # every running test has left
-            try:
-                yield
-            finally:
-                fcntl.flock(room, fcntl.LOCK_UN)
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        else:
-            fcntl.flock(room, fcntl.LOCK_SH)
-            fcntl.flock(gate, fcntl.LOCK_UN)
-            try:
-                yield
-            finally:
-                fcntl.flock(room, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's wrapper: waiting
 def pytest_runtest_protocol(item, nextitem):         # for a serial test is not this test's time)
-    with _alone_if_serial(item):
+    with _alone_if_serial(item, nextitem):
         _GUARD["blocked"] = None if item.get_closest_marker("e2e") else item.nodeid
         try:
             yield

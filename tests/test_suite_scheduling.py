@@ -33,10 +33,10 @@ def test_auto_worker_count_follows_the_cpus_capped(monkeypatch):
     assert conftest.pytest_xdist_auto_num_workers(None) is None     # xdist's own hook reads it
 
 
-def _item(runuid, serial):
+def _item(runuid, serial, nodeid="tests/test_x.py::test"):
     marker = object() if serial else None
     return types.SimpleNamespace(
-        config=types.SimpleNamespace(workerinput={"testrunuid": runuid}),
+        config=types.SimpleNamespace(workerinput={"testrunuid": runuid}), nodeid=nodeid,
         get_closest_marker=lambda name: marker if name == "serial" else None)
 
 
@@ -85,3 +85,52 @@ def test_without_xdist_nothing_is_locked():
                                  get_closest_marker=lambda name: pytest.fail("looked up"))
     with conftest._alone_if_serial(item):
         pass
+
+
+def test_the_serial_block_runs_alone_from_its_first_serial_test_to_its_last():
+    """One worker runs the SERIAL modules' tests (one scheduling group, SERIAL_BLOCK): after its
+    first serial test it keeps the others out through the block's next tests, serial or not,
+    and lets them in after the last; a test of another worker waits once, for all of it."""
+    runuid = uuid.uuid4().hex
+    events, lock = [], threading.Lock()
+    released = []
+    block = [_item(runuid, serial, f"{conftest.SERIAL[0]}test_{i}")
+             for i, serial in enumerate((True, False, True))]
+
+    def note(what):
+        with lock:
+            events.append(what)
+
+    def block_worker():
+        for item, nextitem in zip(block, block[1:] + [None]):
+            with conftest._alone_if_serial(item, nextitem):
+                note(f"start {item.nodeid[-6:]}")
+                time.sleep(0.2)
+                note(f"end {item.nodeid[-6:]}")
+        released.append(conftest._HOLDING.room is None)
+
+    def other_worker():
+        time.sleep(0.1)  # starts while the block's first test runs
+        with conftest._alone_if_serial(_item(runuid, False)):
+            note("start other")
+
+    threads = [threading.Thread(target=block_worker), threading.Thread(target=other_worker)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a lock was never released"
+    finally:
+        for path in conftest._lock_paths(runuid):
+            if os.path.exists(path):
+                os.unlink(path)
+    assert events[-1] == "start other", events           # after the whole block
+    assert events[:-1] == [f"{k} test_{i}" for i in range(3) for k in ("start", "end")], events
+    assert released == [True], "the block worker still holds the room"
+
+
+def test_the_serial_modules_are_one_scheduling_group():
+    for prefix in conftest.SERIAL:
+        assert conftest.shared_setup_group(prefix + "test_any") == conftest.SERIAL_BLOCK
+    assert conftest.shared_setup_group("tests/test_keras.py::test_any") is None
