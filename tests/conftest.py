@@ -369,12 +369,42 @@ def _shared_room(testrunuid):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's wrapper: waiting
 def pytest_runtest_protocol(item, nextitem):         # for a serial test is not this test's time)
-    with _alone_if_serial(item, nextitem):
+    with _alone_if_serial(item, nextitem), _cpu_account(item):
         _GUARD["blocked"] = None if item.get_closest_marker("e2e") else item.nodeid
         try:
             yield
         finally:
             _GUARD["blocked"] = None
+
+
+@contextlib.contextmanager
+def _cpu_account(item):
+    """``TFDP_TEST_CPU=FILE pytest ...``: one JSON line per test appended to FILE: its node id,
+    wall seconds, and CPU seconds of the test process (``self``: its threads, TensorFlow's
+    included) and of the processes it started and waited for (``children``: worker jobs, the
+    launcher and its workers, CLI runs). Where the suite's CPU time goes (docs/development.md)."""
+    path = os.environ.get("TFDP_TEST_CPU")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    t0, self0, children0 = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(
+        resource.RUSAGE_CHILDREN)
+    try:
+        yield
+    finally:
+        line = json.dumps({"id": item.nodeid, "wall": round(time.monotonic() - t0, 3),
+                           "self": round(cpu(resource.RUSAGE_SELF) - self0, 3),
+                           "children": round(cpu(resource.RUSAGE_CHILDREN) - children0, 3)})
+        with open(path, "a", encoding="utf-8") as f:  # (one short line: appends do not mix)
+            f.write(line + "\n")
 
 
 # --- fixtures -----------------------------------------------------------------------------------

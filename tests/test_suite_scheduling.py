@@ -134,3 +134,18 @@ def test_the_serial_modules_are_one_scheduling_group():
     for prefix in conftest.SERIAL:
         assert conftest.shared_setup_group(prefix + "test_any") == conftest.SERIAL_BLOCK
     assert conftest.shared_setup_group("tests/test_keras.py::test_any") is None
+
+
+def test_the_cpu_account_writes_one_line_per_test(monkeypatch, tmp_path):
+    import json
+    path = tmp_path / "cpu.jsonl"
+    with conftest._cpu_account(types.SimpleNamespace(nodeid="tests/test_x.py::test_a")):
+        pass  # (TFDP_TEST_CPU unset: nothing written)
+    assert not path.exists()
+    monkeypatch.setenv("TFDP_TEST_CPU", str(path))
+    for name in ("test_a", "test_b"):
+        with conftest._cpu_account(types.SimpleNamespace(nodeid=f"tests/test_x.py::{name}")):
+            sum(i * i for i in range(200_000))  # some CPU time of this process
+    lines = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [ln["id"] for ln in lines] == ["tests/test_x.py::test_a", "tests/test_x.py::test_b"]
+    assert all(ln["self"] > 0 and ln["children"] >= 0 and ln["wall"] > 0 for ln in lines), lines
