@@ -99,6 +99,15 @@ SHARED_SETUP = (
      "test_elastic-one_device"),
     (r"tests/test_keras\.py::test_fit_equals_single_device\[\d-(\w+)\]",
      "test_keras-one_device-fit-{0}"),
+    (r"tests/test_combinations\.py::test_(?:combination_equals_one_device\["
+     r"|the_features_change_the_result$|two_workers_equal_one_device$)",
+     "test_combinations-reference"),  # (a feature's reference: at 3 zero stages, in its pairs)
+    (r"tests/test_compat_features\.py::test_(?:the_run_stays_exact_with_the_feature_off\["
+     r"|reference_weights_are_not_all_equal$)", "test_compat_features-reference"),
+    (r"tests/test_micro_batches\.py::test_micro_batches_train_like_one_device\[(\w+)-",
+     "test_micro_batches-reference-{0}"),
+    (r"tests/test_sparse\.py::test_keras_fit_with_embedding_equals_single_device\[\w+-(\w+)\]",
+     "test_sparse-reference-{0}"),
     # the user-pattern rows' single-device runs (test_user_patterns.shared_reference)
     (r"tests/test_user_patterns\.py::test_row_equals_single_device\[(\w+)\]",
      "pattern-reference-{0}"),
