@@ -40,6 +40,20 @@ def _item(runuid, serial, nodeid="tests/test_x.py::test"):
         get_closest_marker=lambda name: marker if name == "serial" else None)
 
 
+def _run_as_workers(runuid, threads):
+    """Run threads standing in for xdist workers to the end; remove the run's lock files."""
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a lock was never released"
+    finally:
+        for path in conftest._lock_paths(runuid):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_a_serial_test_waits_for_running_tests_and_runs_alone():
     """Threads stand in for xdist workers (each opens its own lock files, as a process does):
     a serial test waits until the running test ends; a test that starts while it waits or runs
@@ -56,22 +70,12 @@ def test_a_serial_test_waits_for_running_tests_and_runs_alone():
             with lock:
                 events.append(("end", name))
 
-    threads = [threading.Thread(target=run, args=a) for a in (
+    _run_as_workers(runuid, [threading.Thread(target=run, args=a) for a in (
         ("a", False, 0.6),           # running when the serial test comes
         ("b", False, 0.6, 0.1),      # beside a
         ("serial", True, 0.5, 0.3),  # waits for a and b
         ("c", False, 0.1, 0.45),     # comes while serial waits: after serial
-    )]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert not any(t.is_alive() for t in threads), "a lock was never released"
-    finally:
-        for path in conftest._lock_paths(runuid):
-            if os.path.exists(path):
-                os.unlink(path)
+    )])
     order = [f"{kind} {name}" for kind, name in events]
     assert order.index("start b") < order.index("end a"), order          # side by side
     s, e = order.index("start serial"), order.index("end serial")
@@ -114,17 +118,8 @@ def test_the_serial_block_runs_alone_from_its_first_serial_test_to_its_last():
         with conftest._alone_if_serial(_item(runuid, False)):
             note("start other")
 
-    threads = [threading.Thread(target=block_worker), threading.Thread(target=other_worker)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert not any(t.is_alive() for t in threads), "a lock was never released"
-    finally:
-        for path in conftest._lock_paths(runuid):
-            if os.path.exists(path):
-                os.unlink(path)
+    _run_as_workers(runuid, [threading.Thread(target=block_worker),
+                             threading.Thread(target=other_worker)])
     assert events[-1] == "start other", events           # after the whole block
     assert events[:-1] == [f"{k} test_{i}" for i in range(3) for k in ("start", "end")], events
     assert released == [True], "the block worker still holds the room"
