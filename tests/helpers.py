@@ -1,7 +1,6 @@
 """Shared helpers for the Keras equivalence and backup tests."""
 
 import numpy as np
-import pytest
 import keras
 
 TOL = 1e-5
@@ -104,19 +103,9 @@ def count_replica_collectives(strategy):
     return counter
 
 
-# --- simulated crashes (backup tests): import both into a test module -------------------------
-
-@pytest.fixture(autouse=True)
-def collect_dead_models():
-    """Models abandoned in an exception (the simulated crashes) are collected before the next
-    test traces its step: tfdp's padded step captures every live metric variable of the
-    strategy (reported against tfdp/strategy/extended.py), so one deleted later breaks it.
-    (Before each test, not also after: the next test's collection frees the same models, and a
-    full collection late in a session takes seconds.)"""
-    import gc
-    gc.collect()
-    yield
-
+# --- simulated crashes (backup tests) ------------------------------------------------------------
+# (A model abandoned in one needs no collection before the next test: a step reads only its own
+# model's variables, tests/test_keras.py::test_a_step_reads_only_its_own_models_variables.)
 
 class Interrupt(Exception):
     pass

@@ -21,7 +21,7 @@ KILL_AT = 9                             # global step 9 = epoch 1, step 3
 SAVE_FREQ = 2                           # last backup before the kill: global step 8 (epoch 1, 2)
 
 
-from helpers import Interrupt, collect_dead_models  # noqa: E402,F401  (autouse fixture)
+from helpers import Interrupt  # noqa: E402
 
 
 def make_callbacks():

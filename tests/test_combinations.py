@@ -19,7 +19,7 @@ import keras
 
 import tfdp
 
-from helpers import collect_dead_models, max_diff  # noqa: F401
+from helpers import max_diff
 
 DEVS = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 

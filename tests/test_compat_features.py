@@ -15,7 +15,7 @@ import tfdp
 from tfdp.compat import names, versions
 from tfdp.keras import adapter
 
-from helpers import TOL, build, collect_dead_models, make_data, max_diff  # noqa: F401
+from helpers import TOL, build, make_data, max_diff
 
 DEVS = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 ESSENTIAL = [e for e in names.NAMES if names.FEATURES[e.feature].essential]

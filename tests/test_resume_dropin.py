@@ -24,8 +24,6 @@ N, BATCH, EPOCHS = 100, 20, 3     # 5 steps per epoch, 15 in all
 SEED = 11
 
 
-# (not helpers' autouse collect_dead_models: every test here trains through run(), which collects
-# the models of earlier runs itself, right before it builds its own)
 from helpers import Interrupt  # noqa: E402
 
 
@@ -83,14 +81,8 @@ def max_diff(a, b):
 
 
 def run(strategy, kind, callbacks=(), model_seed=1, global_seed=SEED):
-    import gc
     import keras
     from helpers import build
-    # Models of earlier runs that died in an exception must be gone before this one's step is
-    # traced: tfdp's padded step reads every live metric variable of the strategy (see the
-    # report on tfdp/strategy/empty_replicas.py read_on_read_state), and a function that captured a
-    # variable deleted later cannot be called.
-    gc.collect()
     m = build(strategy, "adam", seed=model_seed)
     if global_seed is not None:
         keras.utils.set_random_seed(global_seed)  # the script's seed, before its data and fit

@@ -155,23 +155,6 @@ CASES = ([(name, 1) for name in OPTIMIZERS]
                                    "loss_scale_adam")])
 
 
-#: Tests that build no model and trace no step (the plan, arguments, names, configs).
-TRACE_NOTHING = ("test_assign_owners_sorted_greedy_and_deterministic", "test_plan_table",
-                 "test_zero_stage_argument_is_validated",
-                 "test_zero_hook_points_are_listed_in_compat_names",
-                 "test_train_config_key_and_default_strategy")
-
-
-@pytest.fixture(autouse=True)
-def collect_dead_models(request):
-    """Models of earlier tests are collected before this one traces (see tests/helpers.py);
-    not before a test that traces nothing (a full collection late in a session takes seconds)."""
-    import gc
-    if request.function.__name__ not in TRACE_NOTHING:
-        gc.collect()
-    yield
-
-
 @pytest.mark.parametrize("name,stage", CASES, ids=[f"{n}-stage{s}" for n, s in CASES])
 def test_optimizer_sharded_equals_one_device(name, stage):
     import tensorflow as tf

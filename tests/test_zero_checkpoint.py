@@ -20,13 +20,6 @@ D2 = ["CPU:0", "CPU:1"]
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def collect_dead_models():
-    import gc
-    gc.collect()
-    yield
-
-
 def _strategy(kind):
     import tfdp
     return {"sharded4": lambda: tfdp.DataParallelStrategy(D4, zero_stage=1),
