@@ -33,6 +33,11 @@ if _tf_flavour not in ("cpu", "gpu"):
 TF_RANGE = ">=2.19,<2.23"
 KERAS_RANGE = ">=3.12,<3.17"
 TF_REQ = ("tensorflow-cpu" if _tf_flavour == "cpu" else "tensorflow[and-cuda]") + TF_RANGE
+# ml_dtypes (TensorFlow's own requirement, >=0.5.1,<1.0 on every supported TF) except 0.7.0:
+# `import ml_dtypes` 0.7.0 takes 0.7-1.2 CPU-seconds (numpy's ufunc loop registration, quadratic
+# in the loops it adds) against 0.01 with 0.6.0 and 0.5.4, in every process that imports
+# TensorFlow (docs/install.md: Install).
+ML_DTYPES_REQ = "ml_dtypes!=0.7.0"
 
 # The documentation site (mkdocs.yml): MkDocs + Material + mkdocstrings, pinned so that
 # `mkdocs build --strict` (tests/test_docs.py, in the test extra) sees the same warnings everywhere.
@@ -53,6 +58,7 @@ setup(
     install_requires=[
         TF_REQ,
         "keras" + KERAS_RANGE,
+        ML_DTYPES_REQ,
         "absl-py",
         "numpy",
         "portpicker",

@@ -169,6 +169,12 @@ def test_both_tensorflow_flavours_get_the_same_range(flavour, name, monkeypatch)
     reqs = {Requirement(r).name: Requirement(r) for r in captured["install_requires"]}
     assert reqs[name].specifier == TF_SPEC, reqs
     assert reqs["keras"].specifier == KERAS_SPEC, reqs
+    assert "0.7.0" not in reqs["ml_dtypes"].specifier, reqs  # (docs/install.md: Install)
+
+
+def test_installed_ml_dtypes_is_not_the_slow_release():
+    from importlib.metadata import version
+    assert version("ml_dtypes") != "0.7.0", "pip install -e . again: setup.py excludes it"
 
 
 # --- Keras before 3.10 (metric variables sync-on-write): one clear error, not wrong metrics -----
