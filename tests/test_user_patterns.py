@@ -11,8 +11,9 @@ model and optimizer variable bitwise identical. Rows with per-replica semantics 
 BatchNormalization) assert identity only. ``tfdp bench patterns`` prints the same rows as a table
 against MirroredStrategy.
 
-A subset runs on 2 workers x 2 CPU replicas (``tfdp.testing.run_workers``); each worker compares
-with a single-device reference trained in the same worker process, outside any strategy scope.
+A subset runs on 2 workers x 2 CPU replicas (``tfdp.testing.run_workers``); both workers compare
+with one single-device reference, trained outside any strategy scope by worker 0 and read by
+worker 1 (``reference_once_per_job``: the job computes it once).
 """
 
 import pytest
@@ -80,11 +81,12 @@ strategy = tfdp.DataParallelStrategy()  # at start-up: multi-worker from the lau
 from tfdp.strategy.multiworker import MultiWorkerDataParallelStrategy
 assert isinstance(strategy, MultiWorkerDataParallelStrategy), type(strategy)
 import dataclasses
-from tfdp_bench.patterns import get_row, reference, run_row
+from tfdp_bench.patterns import get_row, reference_once_per_job, run_row
 from tfdp.testing import emit_result
 for name in os.environ["PATTERN_ROWS"].split(","):
     row = get_row(name)
-    ref = reference(row)  # one device, no strategy, outside any scope, in this worker process
+    # one device, no strategy, outside any scope: computed by rank 0, read by rank 1
+    ref = reference_once_per_job(row, strategy.cluster.rank, os.environ["REF_DIR"])
     res = run_row(row, lambda: strategy, ref)
     emit_result(dataclasses.asdict(res), rank=strategy.cluster.rank,
                 replicas=strategy.num_replicas_in_sync)
@@ -108,10 +110,11 @@ def test_groups_cover_the_multiworker_rows():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_rows_two_workers_equal_single_device(worker_job, group):
+def test_rows_two_workers_equal_single_device(worker_job, group, tmp_path):
     names = GROUPS[group]
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=500,
-                          env={"PATTERN_ROWS": ",".join(names), "CUDA_VISIBLE_DEVICES": ""})
+                          env={"PATTERN_ROWS": ",".join(names), "CUDA_VISIBLE_DEVICES": "",
+                               "REF_DIR": str(tmp_path)})
     per_worker = _all_results(outputs)
     assert [len(rs) for rs in per_worker] == [len(names)] * 2, outputs
     for i, name in enumerate(names):

@@ -8,7 +8,8 @@ its replica-context broadcast across workers, two optimizers) and Adafactor (sta
 slots) stay within 1e-5 of one device with identical copies; stage 1 equals unsharded bitwise
 and both workers end bitwise equal; every other Keras optimizer at stage 1 too. A checkpoint written sharded by each worker restores on one
 device and continues like the sharded job; tfdp's BackupAndRestore resumes a sharded job exactly
-with one writer.
+with one writer. The one-device references are trained once, by worker 0; worker 1 reads them
+(``tfdp_bench.patterns.once_per_job``).
 """
 
 import os
@@ -24,9 +25,10 @@ import tfdp
 strategy = tfdp.DataParallelStrategy(zero_stage=1)  # 2 workers x 2 CPU replicas (TF_CONFIG)
 sys.path.insert(0, os.environ["TFDP_TEST_DIR"])
 import tfdp_bench.patterns
-from tfdp_bench.patterns import get_row, max_diff, reference, run_row
+from tfdp_bench.patterns import get_row, max_diff, once_per_job, reference_once_per_job, run_row
 from tfdp.testing import emit_result
 rank = strategy.cluster.rank
+REF_DIR = os.environ["REF_DIR"]  # one-device references: computed by rank 0, read by rank 1
 out = {"rank": rank, "replicas": strategy.num_replicas_in_sync, "rows": {}}
 
 
@@ -41,7 +43,7 @@ def set_stage(stage):
 
 for name in ("fit_uneven", "embedding_adam", "global_clipnorm_accum2", "two_optimizers"):
     row = get_row(name)
-    ref = reference(row)
+    ref = reference_once_per_job(row, rank, REF_DIR)
     for stage in (0, 1, 2):
         set_stage(stage)
         res = run_row(row, lambda: strategy, ref)
@@ -52,7 +54,8 @@ for name in ("fit_uneven", "embedding_adam", "global_clipnorm_accum2", "two_opti
 
 import test_zero as tz
 for name in tz.OPTIMIZERS:  # every Keras optimizer at stage 1; Adafactor at every stage
-    ref = tz._train(name, None).get_weights()
+    ref, _ = once_per_job(f"optimizer-{name}", lambda: (tz._train(name, None).get_weights(), {}),
+                          rank, REF_DIR)
     for stage in ((0, 1, 2) if name == "adafactor" else (1,)):
         set_stage(stage)
         m = tz._train(name, strategy)
@@ -97,6 +100,7 @@ def test_two_workers_sharded(worker_job, tmp_path):
     outputs = run_workers(WORKER_SCRIPT, workers=2, cpu_replicas=2, timeout=800,
                           env={"TFDP_TEST_DIR": TESTS_DIR, "CUDA_VISIBLE_DEVICES": "",
                                "CKPT_DIR": str(tmp_path / "ckpt"),
+                               "REF_DIR": str(tmp_path / "references"),
                                "BACKUP_DIR": str(tmp_path / "backup")})
     results = parse_results(outputs)
     assert [r["rank"] for r in results] == [0, 1]

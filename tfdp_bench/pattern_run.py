@@ -86,6 +86,50 @@ def reference(row: Row) -> Trained:
     return row.train(None)
 
 
+def once_per_job(name: str, compute, rank: int, directory: str, timeout: float = 600.0):
+    """``compute()`` (a list of numpy arrays and a JSON-able dict) run once in a job of several
+    processes, not once in each: rank 0 runs it and writes the result under ``directory`` (atomic
+    renames, no pickle); every other rank waits up to ``timeout`` seconds for it and reads it.
+    For one-device references in a multi-worker test: rank 0 computes one before the strategy
+    run that needs every rank, so the others wait at most as long as they would at that run's
+    first collective, and their CPU goes to the rest of the suite."""
+    import json
+    import os
+    base = os.path.join(directory, name)
+    if rank == 0:
+        arrays, info = compute()
+        os.makedirs(directory, exist_ok=True)
+        with open(base + ".npz.part", "wb") as f:
+            np.savez(f, *[np.asarray(a) for a in arrays])
+        with open(base + ".json.part", "w", encoding="utf-8") as f:
+            json.dump(info, f)
+        os.replace(base + ".npz.part", base + ".npz")
+        os.replace(base + ".json.part", base + ".json")  # (last: the sign that both are there)
+        return arrays, info
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(base + ".json"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 wrote no {base}.json within {timeout:.0f} s")
+        time.sleep(0.05)
+    with np.load(base + ".npz", allow_pickle=False) as z:
+        arrays = [z[f"arr_{i}"] for i in range(len(z.files))]
+    with open(base + ".json", encoding="utf-8") as f:
+        return arrays, json.load(f)
+
+
+def reference_once_per_job(row: Row, rank: int, directory: str) -> Trained:
+    """:func:`reference` computed once in a multi-worker job (:func:`once_per_job`): every rank
+    compares with rank 0's one-device run. The result holds the reference's weights, values and
+    checks (what :func:`run_row` compares), not its model or optimizers."""
+    def compute():
+        ref = reference(row)
+        values = {k: np.asarray(v, np.float64).tolist() for k, v in ref.values.items()}
+        return ref.weights, {"values": values,
+                             "checks": {k: bool(v) for k, v in ref.checks.items()}}
+    weights, info = once_per_job(f"reference-{row.name}", compute, rank, directory)
+    return Trained(None, weights, [], values=info["values"], checks=info["checks"])
+
+
 def run_row(row: Row, strategy_factory, ref: Trained | None = None) -> RowResult:
     """Train ``row`` under ``strategy_factory()`` and compare with the no-strategy reference.
 

@@ -34,7 +34,8 @@ from tfdp_bench.pattern_base import (  # noqa: F401
 from tfdp_bench.pattern_rows import (  # noqa: F401
     MULTIWORKER_ROWS, ROWS, ROWS_BY_NAME, get_row)
 from tfdp_bench.pattern_run import (  # noqa: F401
-    differing_replica_copies, digest, max_diff, reference, replica_variables, run_row)
+    differing_replica_copies, digest, max_diff, once_per_job, reference, replica_variables, run_row,
+    reference_once_per_job)
 
 
 # --- the benchmark (tfdp bench patterns) ----------------------------------------------------------
@@ -135,7 +136,8 @@ def format_patterns(result: dict) -> str:
 
 
 __all__ = ["MULTIWORKER_ROWS", "ROWS", "ROWS_BY_NAME", "Row", "RowResult", "TOL", "Trained",
-           "format_patterns", "get_row", "reference", "run_patterns", "run_row"]
+           "format_patterns", "get_row", "once_per_job", "reference", "run_patterns", "run_row",
+           "reference_once_per_job"]
 
 
 # --- command line: tfdp bench patterns -----------------------------------------------------------
