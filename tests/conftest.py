@@ -63,15 +63,15 @@ SLOW = (
 )
 
 #: e2e tests that run alone (``serial``): under pytest-xdist no other test runs beside one
-#: (:func:`_alone_if_serial`). They assert how fast the launcher or a worker reacts, or use network
-#: namespaces. (Not the README's commands, tests/test_readme.py: they assert no time and write
-#: nothing in the repository root; their shared data cache is written atomically.)
+#: (:func:`_alone_if_serial`). They assert how fast the launcher or a worker reacts, use network
+#: namespaces, or run the README's commands in the repository root.
 SERIAL = (
     "tests/test_failures.py::",   # seconds from a failure to the end of the job
     "tests/test_startup.py::",    # start-up deadlines and signals, timed
     "tests/test_launch.py::",     # first output within seconds, a lost node within 10 s
     "tests/test_faults.py::",     # fault trials: kill, detect, restart, timed
     "tests/test_netns.py::",      # root, network namespaces
+    "tests/test_readme.py::",     # the README's commands as written, in the repository root
 )
 
 
