@@ -8,7 +8,9 @@ Importing this module does not import TensorFlow or Keras.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import os
 import time
 
 import numpy as np
@@ -93,8 +95,6 @@ def once_per_job(name: str, compute, rank: int, directory: str, timeout: float =
     For one-device references in a multi-worker test: rank 0 computes one before the strategy
     run that needs every rank, so the others wait at most as long as they would at that run's
     first collective, and their CPU goes to the rest of the suite."""
-    import json
-    import os
     base = os.path.join(directory, name)
     if rank == 0:
         arrays, info = compute()
