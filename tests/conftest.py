@@ -389,7 +389,7 @@ def pytest_runtest_protocol(item, nextitem):         # for a serial test is not 
 @contextlib.contextmanager
 def _cpu_account(item):
     """``TFDP_TEST_CPU=FILE pytest ...``: one JSON line per test appended to FILE: its node id,
-    wall seconds, and CPU seconds of the test process (``self``: its threads, TensorFlow's
+    start (Unix time) and xdist worker, wall seconds, and CPU seconds of the test process (``self``: its threads, TensorFlow's
     included) and of the processes it started and waited for (``children``: worker jobs, the
     launcher and its workers, CLI runs). Where the suite's CPU time goes (docs/development.md)."""
     path = os.environ.get("TFDP_TEST_CPU")
@@ -404,12 +404,15 @@ def _cpu_account(item):
         usage = resource.getrusage(who)
         return usage.ru_utime + usage.ru_stime
 
+    start = time.time()  # (wall clock: lines of several workers on one timeline)
     t0, self0, children0 = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(
         resource.RUSAGE_CHILDREN)
     try:
         yield
     finally:
-        line = json.dumps({"id": item.nodeid, "wall": round(time.monotonic() - t0, 3),
+        line = json.dumps({"id": item.nodeid, "start": round(start, 3),
+                           "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                           "wall": round(time.monotonic() - t0, 3),
                            "self": round(cpu(resource.RUSAGE_SELF) - self0, 3),
                            "children": round(cpu(resource.RUSAGE_CHILDREN) - children0, 3)})
         with open(path, "a", encoding="utf-8") as f:  # (one short line: appends do not mix)
