@@ -389,9 +389,10 @@ def pytest_runtest_protocol(item, nextitem):         # for a serial test is not 
 @contextlib.contextmanager
 def _cpu_account(item):
     """``TFDP_TEST_CPU=FILE pytest ...``: one JSON line per test appended to FILE: its node id,
-    start (Unix time) and xdist worker, wall seconds, and CPU seconds of the test process (``self``: its threads, TensorFlow's
-    included) and of the processes it started and waited for (``children``: worker jobs, the
-    launcher and its workers, CLI runs). Where the suite's CPU time goes (docs/development.md)."""
+    start (Unix time) and xdist worker, wall seconds, and CPU seconds of the test process
+    (``self``: its threads, TensorFlow's included) and of the processes it started and waited
+    for (``children``: worker jobs, the launcher and its workers, CLI runs). Where the suite's
+    CPU time goes (docs/development.md)."""
     path = os.environ.get("TFDP_TEST_CPU")
     if not path:
         yield
