@@ -144,4 +144,5 @@ def test_the_cpu_account_writes_one_line_per_test(monkeypatch, tmp_path):
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert [ln["id"] for ln in lines] == ["tests/test_x.py::test_a", "tests/test_x.py::test_b"]
     assert all(ln["self"] > 0 and ln["children"] >= 0 and ln["wall"] > 0 for ln in lines), lines
-    assert lines[0]["start"] <= lines[1]["start"], lines  # (one timeline for every worker)
+    assert lines[0]["start"] <= lines[1]["start"], lines  # (wall-clock start times, in order)
+    assert all(ln["worker"] == os.environ.get("PYTEST_XDIST_WORKER", "") for ln in lines), lines
