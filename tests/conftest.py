@@ -21,7 +21,8 @@ expensive set-up (a module-scoped fixture, a memo of reference fits) stay in one
 (:data:`SHARED_SETUP`, scheduled by :func:`pytest_xdist_make_scheduler`), and a serial test waits
 until no other test runs, in any worker, and runs alone (:func:`_alone_if_serial`); the SERIAL
 modules are one group (:data:`SERIAL_BLOCK`) that runs alone from its first serial test to its
-last, so the others wait for it once.
+last, so the others wait for it once, or run their core-tier tests at nice 19 beside it where they
+may (root). Scopes start longest first (:func:`scheduling_order`, ``tests/durations.txt``).
 
 The guard: in a test that is not ``e2e``, starting a process (``subprocess``, ``os.fork`` /
 ``os.system`` / ``os.posix_spawn``, ``multiprocessing``) fails the test with a message naming the
@@ -153,18 +154,61 @@ def shared_setup_group(nodeid):
     return None
 
 
+def scope_of(nodeid):
+    """The scheduling unit of a test: its SHARED_SETUP group (or SERIAL_BLOCK), else itself."""
+    return shared_setup_group(nodeid) or nodeid
+
+
+#: Measured wall seconds of the tests that took 2 s or more (``tests/durations.txt``, written by
+#: ``python tests/durations.py cpu.jsonl`` from a ``TFDP_TEST_CPU`` account); any other test
+#: counts DEFAULT_DURATION. Only the order tests start in depends on them.
+DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.txt")
+DEFAULT_DURATION = 0.5
+
+
+def load_durations(path=DURATIONS_FILE):
+    """{node id: seconds} from ``path`` ("seconds node-id" lines, # comments); {} without it."""
+    durations = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and not line.startswith("#"):
+                    seconds, _, nodeid = line.rstrip("\n").partition(" ")
+                    durations[nodeid] = float(seconds)
+    except OSError:
+        pass
+    return durations
+
+
+def scheduling_order(nodeids, durations):
+    """The positions of ``nodeids`` in the order pytest-xdist hands out their scopes
+    (SharedSetupScheduling keeps it): the serial block first (the other workers run core-tier
+    tests at a low priority beside it: :func:`_alone_if_serial`), then the scopes by their
+    measured seconds, longest first, so that no long test starts last and runs alone at the
+    end; a scope's tests in their order."""
+    scopes = [scope_of(nodeid) for nodeid in nodeids]
+    cost, first = {}, {}
+    for i, (nodeid, scope) in enumerate(zip(nodeids, scopes)):
+        cost[scope] = cost.get(scope, 0.0) + durations.get(nodeid, DEFAULT_DURATION)
+        first.setdefault(scope, i)
+    return sorted(range(len(nodeids)), key=lambda i: (
+        scopes[i] != SERIAL_BLOCK, -cost[scopes[i]], first[scopes[i]], i))
+
+
 @pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: unknown when xdist is missing)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup``: xdist's scope scheduler with SHARED_SETUP's groups as the scopes
-    (each other test a scope of its own)."""
+    (each other test a scope of its own), handed out in the workers' collection order, which
+    :func:`scheduling_order` sorted (not by their test counts: xdist's loadscope reordering)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedSetupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            return shared_setup_group(nodeid) or nodeid
+            return scope_of(nodeid)
 
+    config.option.loadscopereorder = False
     return SharedSetupScheduling(config, log)
 
 
@@ -216,6 +260,9 @@ def pytest_collection_modifyitems(session, config, items):
             f"(one of {', '.join(PROCESS_FIXTURES)}; tests/conftest.py marks them). Received "
             f"{len(errors)} such test(s): {', '.join(errors[:10])}. Fix: drop the marker and "
             "add the fixture as an argument (or pytest.mark.usefixtures).")
+    if getattr(config, "workerinput", None) is not None:  # (an xdist worker: see the scheduler)
+        order = scheduling_order([item.nodeid for item in items], load_durations())
+        items[:] = [items[i] for i in order]
 
 
 # --- the guard ----------------------------------------------------------------------------------
@@ -325,21 +372,25 @@ def _in_serial_block(item):
 
 @contextlib.contextmanager
 def _alone_if_serial(item, nextitem=None):
-    """Under pytest-xdist, a ``serial`` test runs while no other test does, in any worker; the
-    others run side by side. Two file locks shared by the run's workers: the room, held shared
+    """Under pytest-xdist, a ``serial`` test runs while no other test does at the normal
+    priority, in any worker; the others run side by side. Two file locks shared by the run's workers: the room, held shared
     by every running test and exclusively by a serial one, and a gate before it that a serial
     test holds while it waits, so that tests starting meanwhile queue behind it instead of
     keeping the room busy for ever. When the next test of this worker is of the serial block
     (SERIAL_BLOCK: the SERIAL modules, scheduled to one worker), the room and the gate stay held
     for it: the block runs alone from its first serial test to its last, and the other workers
-    wait once, not once per serial test. Without pytest-xdist, tests run one at a time anyway."""
+    wait once, not once per serial test. Meanwhile, where the workers may raise their threads'
+    priority again (root, CAP_SYS_NICE: :func:`_can_renice`), their core-tier tests run at nice
+    19 beside it instead of waiting (:func:`_shared_room`): they take only the CPU time the
+    serial tests leave. Without pytest-xdist, tests run one at a time anyway."""
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None:
         yield
         return
     if _HOLDING.room is None:
         if not item.get_closest_marker("serial"):
-            with _shared_room(workerinput["testrunuid"]):
+            beside = not item.get_closest_marker("e2e") and _can_renice()
+            with _shared_room(workerinput["testrunuid"], niced_beside_serial=beside):
                 yield
             return
         _HOLDING.room = _exclusive_room(workerinput["testrunuid"])
@@ -363,17 +414,86 @@ def _exclusive_room(testrunuid):
 
 
 @contextlib.contextmanager
-def _shared_room(testrunuid):
-    """The room, held shared (after passing the gate: never while a serial test waits)."""
+def _shared_room(testrunuid, niced_beside_serial=False):
+    """The room, held shared (after passing the gate: never while a serial test waits). With
+    ``niced_beside_serial``, a test that finds the gate closed (a serial test waits or runs)
+    runs at once instead, outside the room, at nice 19 (:func:`_niced`): beside the serial
+    block, on the CPU time it leaves idle, not on the time it needs (a core-tier test: no
+    process of it can outlive it at that priority)."""
     gate_path, room_path = _lock_paths(testrunuid)
     with open(gate_path, "a") as gate, open(room_path, "a") as room:
-        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | (fcntl.LOCK_NB if niced_beside_serial else 0))
+            passed = True
+        except BlockingIOError:
+            passed = False
+        if not passed:
+            with _niced():
+                yield
+            return
         fcntl.flock(room, fcntl.LOCK_SH)
         fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
             fcntl.flock(room, fcntl.LOCK_UN)
+
+
+NICE_BESIDE_SERIAL = 19
+_RENICE = {}  # "ok": whether this process may lower its threads' nice values again
+
+
+def _tids():
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
+def _can_renice():
+    """Whether this process can set a thread to nice 19 and back (Linux: per-thread nice values
+    in /proc/self/task; lowering one needs root or CAP_SYS_NICE). Probed once, on a thread of
+    its own."""
+    if "ok" not in _RENICE:
+        result = []
+
+        def probe():
+            tid = threading.get_native_id()
+            try:
+                nice = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, NICE_BESIDE_SERIAL)
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                result.append(True)
+            except (OSError, AttributeError):
+                result.append(False)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        _RENICE["ok"] = sys.platform.startswith("linux") and bool(_tids()) and result == [True]
+    return _RENICE["ok"]
+
+
+@contextlib.contextmanager
+def _niced():
+    """Every thread of this process (TensorFlow's pools included, and the threads they start)
+    at nice NICE_BESIDE_SERIAL, then back to their nice values before."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = {}
+    for tid in _tids():
+        try:
+            before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(before[tid], NICE_BESIDE_SERIAL))
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            pass
+    try:
+        yield
+    finally:
+        for tid in _tids():
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, before.get(tid, base))
+            except ProcessLookupError:
+                pass
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's wrapper: waiting

@@ -33,11 +33,12 @@ def test_auto_worker_count_follows_the_cpus_capped(monkeypatch):
     assert conftest.pytest_xdist_auto_num_workers(None) is None     # xdist's own hook reads it
 
 
-def _item(runuid, serial, nodeid="tests/test_x.py::test"):
-    marker = object() if serial else None
+def _item(runuid, serial, nodeid="tests/test_x.py::test", e2e=True):
+    """A stand-in for a test item: e2e (it waits for a serial test) unless ``e2e=False``."""
+    markers = {"serial": serial, "e2e": serial or e2e}
     return types.SimpleNamespace(
         config=types.SimpleNamespace(workerinput={"testrunuid": runuid}), nodeid=nodeid,
-        get_closest_marker=lambda name: marker if name == "serial" else None)
+        get_closest_marker=lambda name: object() if markers.get(name) else None)
 
 
 def _run_as_workers(runuid, threads):
@@ -56,8 +57,8 @@ def _run_as_workers(runuid, threads):
 
 def test_a_serial_test_waits_for_running_tests_and_runs_alone():
     """Threads stand in for xdist workers (each opens its own lock files, as a process does):
-    a serial test waits until the running test ends; a test that starts while it waits or runs
-    waits until it ends; two ordinary tests run side by side."""
+    a serial test waits until the running test ends; an e2e test that starts while it waits or
+    runs waits until it ends; two ordinary tests run side by side."""
     runuid = uuid.uuid4().hex
     events, lock = [], threading.Lock()
 
@@ -146,3 +147,62 @@ def test_the_cpu_account_writes_one_line_per_test(monkeypatch, tmp_path):
     assert all(ln["self"] > 0 and ln["children"] >= 0 and ln["wall"] > 0 for ln in lines), lines
     assert lines[0]["start"] <= lines[1]["start"], lines  # (wall-clock start times, in order)
     assert all(ln["worker"] == os.environ.get("PYTEST_XDIST_WORKER", "") for ln in lines), lines
+
+
+def test_a_core_test_runs_at_nice_19_beside_the_serial_block():
+    """Where the workers may raise their priority again (root here and in CI): a core-tier test
+    that starts while a serial test runs starts at once, with every thread of its process at
+    nice 19, and its threads are back at their nice values after it; an e2e test still waits."""
+    if not conftest._can_renice():
+        pytest.skip("this process may not lower a nice value again (not root, no CAP_SYS_NICE)")
+    runuid = uuid.uuid4().hex
+    events, lock, nices = [], threading.Lock(), {}
+
+    def note(what):
+        with lock:
+            events.append(what)
+
+    def serial():
+        with conftest._alone_if_serial(_item(runuid, True, conftest.SERIAL[0] + "test_s")):
+            note("start serial")
+            time.sleep(0.6)
+            note("end serial")
+
+    def core():
+        time.sleep(0.2)
+        tid = threading.get_native_id()
+        nices["before"] = os.getpriority(os.PRIO_PROCESS, tid)
+        with conftest._alone_if_serial(_item(runuid, False, e2e=False)):
+            note("start core")
+            nices["during"] = os.getpriority(os.PRIO_PROCESS, tid)
+        nices["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    def e2e():
+        time.sleep(0.2)
+        with conftest._alone_if_serial(_item(runuid, False)):
+            note("start e2e")
+
+    _run_as_workers(runuid, [threading.Thread(target=f) for f in (serial, core, e2e)])
+    assert events.index("start core") < events.index("end serial"), events   # beside it
+    assert events.index("start e2e") > events.index("end serial"), events    # after it
+    assert nices["during"] == conftest.NICE_BESIDE_SERIAL, nices
+    assert nices["after"] == nices["before"], nices
+
+
+def test_tests_start_serial_block_first_then_the_longest_scopes():
+    ids = ["tests/test_a.py::t1", "tests/test_a.py::t2",
+           conftest.SERIAL[1] + "test_x", "tests/test_b.py::t",
+           "tests/test_ray.py::t1", "tests/test_ray.py::t2"]  # (the last two: one scope)
+    durations = {"tests/test_a.py::t2": 9.0, "tests/test_b.py::t": 5.0,
+                 "tests/test_ray.py::t1": 3.0, "tests/test_ray.py::t2": 3.0}
+    order = [ids[i] for i in conftest.scheduling_order(ids, durations)]
+    assert order == [conftest.SERIAL[1] + "test_x", "tests/test_a.py::t2",
+                     "tests/test_ray.py::t1", "tests/test_ray.py::t2", "tests/test_b.py::t",
+                     "tests/test_a.py::t1"], order  # (t1: unmeasured, DEFAULT_DURATION)
+
+
+def test_the_durations_file_reads_and_names_tests_of_the_suite():
+    durations = conftest.load_durations()
+    assert len(durations) > 100 and all(s >= 2.0 for s in durations.values())
+    assert all(n.startswith("tests/test_") and "::" in n for n in durations), list(durations)[:5]
+    assert conftest.load_durations(os.path.join(ROOT, "no-such-file")) == {}
