@@ -373,16 +373,17 @@ def _in_serial_block(item):
 @contextlib.contextmanager
 def _alone_if_serial(item, nextitem=None):
     """Under pytest-xdist, a ``serial`` test runs while no other test does at the normal
-    priority, in any worker; the others run side by side. Two file locks shared by the run's workers: the
-    room, held shared by every running test and exclusively by a serial one, and a gate before
-    it that a serial test holds while it waits, so that tests starting meanwhile queue behind it
-    instead of keeping the room busy for ever. When the next test of this worker is of the
-    serial block (SERIAL_BLOCK: the SERIAL modules, scheduled to one worker), the room and the
-    gate stay held for it: the block runs alone from its first serial test to its last, and the
-    other workers wait once, not once per serial test. Meanwhile, where the workers may raise
-    their threads' priority again (root, CAP_SYS_NICE: :func:`_can_renice`), their core-tier
-    tests run at nice 19 beside it instead of waiting (:func:`_shared_room`): they take only the
-    CPU time the serial tests leave. Without pytest-xdist, tests run one at a time anyway."""
+    priority, in any worker; the others run side by side. Two file locks shared by the run's
+    workers: the room, held shared by every running test and exclusively by a serial one, and a
+    gate before it that a serial test holds while it waits, so that tests starting meanwhile
+    queue behind it instead of keeping the room busy for ever. When the next test of this
+    worker is of the serial block (SERIAL_BLOCK: the SERIAL modules, scheduled to one worker),
+    the room and the gate stay held for it: the block runs alone from its first serial test to
+    its last, and the other workers wait once, not once per serial test. Meanwhile, where the
+    workers may raise their threads' priority again (root, CAP_SYS_NICE: :func:`_can_renice`),
+    their core-tier tests run at nice 19 beside it instead of waiting (:func:`_shared_room`):
+    they take only the CPU time the serial tests leave. Without pytest-xdist, tests run one at
+    a time anyway."""
     workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None:
         yield
