@@ -150,7 +150,7 @@ def test_the_cpu_account_writes_one_line_per_test(monkeypatch, tmp_path):
 
 
 def test_a_core_test_runs_at_nice_19_beside_the_serial_block():
-    """Where the workers may raise their priority again (root here and in CI): a core-tier test
+    """Where the workers may raise their priority again (root, CAP_SYS_NICE): a core-tier test
     that starts while a serial test runs starts at once, with every thread of its process at
     nice 19, and its threads are back at their nice values after it; an e2e test still waits."""
     if not conftest._can_renice():
